@@ -1,0 +1,192 @@
+"""Kernel harness: one Triton kernel source, compiled on the GPU, interpreted on the CPU.
+
+`triton_call` has jax-triton 0.3.1's calling convention: array (and scalar) inputs, then the
+outputs described by `out_shape`, then the `tl.constexpr` keywords. On a GPU it forwards to
+`jax_triton.triton_call`. On a CPU it runs the very same `@triton.jit` function through Triton's
+interpreter on torch CPU tensors inside a `jax.pure_callback`, so it also works under `jit` and
+lets CI check every kernel against its reference.
+
+`resolve_implementation` turns the public `implementation=` argument into a concrete backend.
+
+Not supported: autotuned kernels (pass explicit tile sizes) and `zeroed_outputs` given as a
+callable. The interpreter path is for correctness, not speed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLEMENTATIONS = ("xla", "triton", "mosaic", "auto")
+
+# jax dtype -> (integer view dtype for the numpy/torch crossing, torch dtype name).
+# numpy has no bf16 / fp8 of its own, so those cross as raw bits.
+_BIT_VIEWS = {
+    jnp.dtype(jnp.bfloat16): (np.uint16, "bfloat16"),
+    jnp.dtype(jnp.float8_e4m3fn): (np.uint8, "float8_e4m3fn"),
+    jnp.dtype(jnp.float8_e5m2): (np.uint8, "float8_e5m2"),
+}
+
+
+def on_gpu() -> bool:
+    """Whether the default JAX backend is a CUDA GPU."""
+    return jax.default_backend() == "gpu"
+
+
+def resolve_implementation(implementation: str, *, supported: Sequence[str]) -> str:
+    """Map `implementation=` to a concrete backend for this platform.
+
+    Args:
+      implementation: one of `IMPLEMENTATIONS`.
+      supported: the backends the op has, in order of preference on the GPU (e.g.
+        `("triton", "xla")`). `"xla"` must always be among them.
+
+    Returns:
+      `"xla"`, `"triton"` or `"mosaic"`. `"auto"` is `"xla"` on a CPU and the first of `supported`
+      on a GPU.
+
+    Raises:
+      ValueError: `implementation` is not a known name.
+      NotImplementedError: a known backend this op does not have.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
+    if implementation == "auto":
+        return supported[0] if on_gpu() else "xla"
+    if implementation not in supported:
+        raise NotImplementedError(f"{implementation=} is not available for this op; {supported=}")
+    return implementation
+
+
+def triton_call(
+    *args: jax.Array | int | float | bool,
+    kernel: Any,
+    out_shape: jax.ShapeDtypeStruct | Sequence[jax.ShapeDtypeStruct],
+    grid: int | tuple[int, ...] | Callable[[dict[str, Any]], tuple[int, ...]],
+    num_warps: int = 4,
+    num_stages: int = 2,
+    input_output_aliases: Mapping[int, int] | None = None,
+    zeroed_outputs: Sequence[int] = (),
+    interpret: bool | None = None,
+    **metaparams: Any,
+) -> Any:
+    """Call a `@triton.jit` kernel from JAX; compiled on GPU, interpreted on CPU.
+
+    Args:
+      *args: kernel inputs: arrays (passed as pointers) and Python scalars.
+      kernel: the `@triton.jit` function. Its parameters are the inputs, then one pointer per
+        output, then `metaparams`.
+      out_shape: one or a sequence of `jax.ShapeDtypeStruct`.
+      grid: launch grid, or a function of `metaparams` returning it.
+      num_warps, num_stages: forwarded to Triton (ignored by the interpreter).
+      input_output_aliases: `{input index: output index}`; the output starts as that input (and
+        on the GPU shares its buffer when the input is donated).
+      zeroed_outputs: indices of outputs that start zeroed. Other outputs start as NaN (or garbage
+        for integer types) on the CPU path, so a kernel that forgets to write shows up in tests.
+      interpret: force the interpreter (True) or jax-triton (False); default: interpreter unless
+        the default backend is a GPU.
+      **metaparams: `tl.constexpr` values.
+
+    Returns:
+      One array, or a tuple matching `out_shape` when a sequence was given.
+    """
+    single = isinstance(out_shape, jax.ShapeDtypeStruct)
+    out_shapes = (out_shape,) if single else tuple(out_shape)
+    aliases = dict(input_output_aliases or {})
+    if interpret is None:
+        interpret = not on_gpu()
+    if not interpret:
+        import jax_triton as jt  # GPU only: importing it with a CPU-only jaxlib raises.
+
+        return jt.triton_call(
+            *args,
+            kernel=kernel,
+            out_shape=out_shape,
+            grid=grid,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            input_output_aliases=aliases,
+            zeroed_outputs=tuple(zeroed_outputs),
+            **metaparams,
+        )
+
+    array_pos = [i for i, a in enumerate(args) if isinstance(a, jax.Array | np.ndarray)]
+    scalars = {i: a for i, a in enumerate(args) if i not in array_pos}
+    arrays = [jnp.asarray(args[i]) for i in array_pos]
+    launch_grid = grid(metaparams) if callable(grid) else grid
+    launch_grid = (launch_grid,) if isinstance(launch_grid, int) else tuple(launch_grid)
+
+    callback = functools.partial(
+        _interpret,
+        kernel=kernel,
+        array_pos=tuple(array_pos),
+        scalars=scalars,
+        out_shapes=out_shapes,
+        grid=launch_grid,
+        aliases=aliases,
+        zeroed=frozenset(zeroed_outputs),
+        metaparams=metaparams,
+    )
+    outs = jax.pure_callback(callback, out_shapes, *arrays)
+    return outs[0] if single else tuple(outs)
+
+
+def _to_torch(x: np.ndarray):
+    import torch
+
+    x = np.ascontiguousarray(x)
+    view = _BIT_VIEWS.get(jnp.dtype(x.dtype))
+    if view is None:
+        return torch.from_numpy(x.copy())
+    bits, name = view
+    return torch.from_numpy(x.view(bits).copy()).view(getattr(torch, name))
+
+
+def _to_numpy(t, dtype) -> np.ndarray:
+    import torch
+
+    view = _BIT_VIEWS.get(jnp.dtype(dtype))
+    if view is None:
+        return t.numpy()
+    bits, _ = view
+    torch_bits = {np.uint16: torch.int16, np.uint8: torch.uint8}[bits]
+    return t.view(torch_bits).numpy().view(bits).view(dtype)
+
+
+def _empty_output(s: jax.ShapeDtypeStruct, zeroed: bool) -> np.ndarray:
+    if zeroed:
+        return np.zeros(s.shape, s.dtype)
+    if jnp.issubdtype(s.dtype, jnp.floating):
+        return np.full(s.shape, np.nan, s.dtype)
+    return np.full(s.shape, -(2**15) + 7, s.dtype)  # garbage, like uninitialised memory
+
+
+@functools.cache
+def _interpreted(kernel):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    fn = getattr(kernel, "fn", kernel)
+    return InterpretedFunction(fn)
+
+
+def _interpret(*arrays, kernel, array_pos, scalars, out_shapes, grid, aliases, zeroed, metaparams):
+    n_in = len(array_pos) + len(scalars)
+    inputs: list[Any] = [None] * n_in
+    for pos, a in zip(array_pos, arrays):
+        inputs[pos] = _to_torch(np.asarray(a))
+    for pos, value in scalars.items():
+        inputs[pos] = value
+    outputs = []
+    for j, s in enumerate(out_shapes):
+        src = next((i for i, o in aliases.items() if o == j), None)
+        if src is not None:
+            outputs.append(inputs[src].clone())
+        else:
+            outputs.append(_to_torch(_empty_output(s, j in zeroed)))
+    _interpreted(kernel)[grid](*inputs, *outputs, **metaparams)
+    return tuple(_to_numpy(t, s.dtype) for t, s in zip(outputs, out_shapes))
