@@ -166,12 +166,15 @@ def _empty_output(s: jax.ShapeDtypeStruct, zeroed: bool) -> np.ndarray:
     return np.full(s.shape, -(2**15) + 7, s.dtype)  # garbage, like uninitialised memory
 
 
-@functools.cache
 def _interpreted(kernel):
     from triton.runtime.interpreter import InterpretedFunction
 
-    fn = getattr(kernel, "fn", kernel)
-    return InterpretedFunction(fn)
+    if not isinstance(kernel, InterpretedFunction):
+        raise RuntimeError(
+            f"{kernel} was compiled for a GPU, not for Triton's interpreter: set "
+            "TRITON_INTERPRET=1 before anything imports triton (importing `attn` first does it)"
+        )
+    return kernel
 
 
 def _interpret(*arrays, kernel, array_pos, scalars, out_shapes, grid, aliases, zeroed, metaparams):

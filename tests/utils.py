@@ -77,7 +77,8 @@ def assert_close(
         idx = tuple(int(i) for i in np.argwhere(a_inf != e_inf)[0])
         raise AssertionError(f"{err_msg} -inf pattern differs at {idx}: {a[idx]} vs {e[idx]}")
     finite = ~e_inf
-    err = np.abs(a - e)
+    with np.errstate(invalid="ignore"):
+        err = np.where(finite, np.abs(a - e), 0.0)
     bound = atol + rtol * np.abs(e)
     over = (err > bound) & finite
     if over.any():
