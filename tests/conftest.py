@@ -7,8 +7,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
 os.environ.setdefault("JAX_ENABLE_X64", "0")
 os.environ.setdefault("HOME", os.environ.get("HOME") or "/tmp")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 
 def pytest_collection_modifyitems(config, items):

@@ -31,7 +31,8 @@ def rng(seed: int | None = None) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def randn(gen: np.random.Generator, shape: Sequence[int], dtype=jnp.float32, scale=1.0) -> jax.Array:
+def randn(gen: np.random.Generator, shape: Sequence[int], dtype=jnp.float32,
+          scale: float = 1.0) -> jax.Array:
     """Standard-normal array of `shape`, cast to `dtype`."""
     return jnp.asarray(gen.standard_normal(tuple(shape), dtype=np.float32) * scale).astype(dtype)
 
