@@ -166,9 +166,28 @@ def _empty_output(s: jax.ShapeDtypeStruct, zeroed: bool) -> np.ndarray:
     return np.full(s.shape, -(2**15) + 7, s.dtype)  # garbage, like uninitialised memory
 
 
+@functools.cache
+def _fix_interpreter_scalars() -> None:
+    """Let loop bounds loaded from memory (`range(lo, hi)` with tensor bounds) work.
+
+    Triton's interpreter turns a scalar tensor into a Python int with `int(ndarray)`; its scalars
+    are 1-element arrays, which numpy >= 2.4 refuses to convert. Compiled kernels are unaffected.
+    """
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.ravel(self.handle.data)[0]))
+
+    interpreter._patch_lang_tensor = patch
+
+
 def _interpreted(kernel):
     from triton.runtime.interpreter import InterpretedFunction
 
+    _fix_interpreter_scalars()
     if not isinstance(kernel, InterpretedFunction):
         raise RuntimeError(
             f"{kernel} was compiled for a GPU, not for Triton's interpreter: set "
