@@ -1,0 +1,186 @@
+"""Reference paged decode attention over head-major pages with per-head block tables.
+
+One query token per batch row attends the keys of its sequence, read through per-KV-head block
+tables: token `s` of row `b` for KV head `k` lives at `pages[k, table[b, k, s // P], s % P]`. The
+query sits at position `lengths[b] - 1` (the decode token is already in the cache). Key `s` is
+visible to KV head `k` iff
+
+    s < lengths[b]  and  table[b, k, s // P] >= 0
+    and (window[k] <= 0 or s > lengths[b] - 1 - window[k]  or  s < sinks[k])
+
+so tokens on unallocated (-1) pages are absent, whatever the window says. -1 entries are rewritten
+to the null page 0 before the gather and the tokens read there are masked. fp8 pages are
+dequantised with their block-wise scales (`kv.fp8` layout) right after the gather.
+
+The reference gathers the whole table, `[B, max_pages * P, K, H]`: it is the specification, not a
+fast path. Math in float32; masked keys and values are zeroed before the einsums, so NaN in memory
+that no visible key owns (poisoned or stale pages, the null page) never reaches the result or its
+gradients.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from attn.merge import reference as merge_reference
+
+
+def per_head(value: int | Array | None, num_kv_heads: int) -> Int[Array, " K"]:
+    """Window / sinks argument as a `[K]` int32 array; `None` gives zeros (no window, no sinks)."""
+    if value is None:
+        value = 0
+    return jnp.broadcast_to(jnp.asarray(value, jnp.int32), (num_kv_heads,))
+
+
+def gather_pages(
+    pages: Array,
+    block_tables: Int[Array, "B K M"],
+    scales: Float[Array, "K num_pages C"] | None = None,
+    *,
+    dtype=None,
+) -> Float[Array, "B S K H"]:
+    """Gather each row's tokens through its per-head block table into a dense `[B, S, K, H]`.
+
+    Args:
+      pages: `[K, num_pages, P, H]` page pool (any float dtype, or e4m3 with `scales`).
+      block_tables: `[B, K, M]` int32; -1 entries read the null page 0.
+      scales: `[K, num_pages, P // sub_block]` float32 fp8 scales, or None.
+      dtype: output dtype; default float32 when `scales` is given, else `pages.dtype`.
+
+    Returns:
+      `[B, S = M * P, K, H]`: key/value `s` of row `b`, head `k` at `[b, s, k]`. Tokens past a row's
+      length, and tokens of -1 pages (null page content), are returned as stored: mask them.
+    """
+    num_kv, _, page, head_dim = pages.shape
+    batch, _, max_pages = block_tables.shape
+    ids = jnp.where(block_tables < 0, 0, block_tables)  # -1 -> null page, never a wrapped index
+    heads = jnp.arange(num_kv)[None, :, None]  # [1, K, 1]
+    g = pages[heads, ids]  # [B, K, M, P, H]
+    if scales is not None:
+        s = scales[heads, ids]  # [B, K, M, C]
+        s = jnp.repeat(s, page // scales.shape[-1], axis=-1)  # [B, K, M, P]
+        g = g.astype(jnp.float32) * s[..., None]
+        dtype = jnp.float32 if dtype is None else dtype
+    g = g.reshape(batch, num_kv, max_pages * page, head_dim).transpose(0, 2, 1, 3)
+    return g if dtype is None else g.astype(dtype)
+
+
+def visible_mask(
+    block_tables: Int[Array, "B K M"],
+    lengths: Int[Array, " B"],
+    page_size: int,
+    window: int | Int[Array, " K"] | None = None,
+    sinks: int | Int[Array, " K"] | None = None,
+) -> Bool[Array, "B K S"]:
+    """Which keys the decode query of each row sees, per KV head (see the module docstring)."""
+    _, num_kv, max_pages = block_tables.shape
+    window = per_head(window, num_kv)[None, :, None]  # [1, K, 1]
+    sinks = per_head(sinks, num_kv)[None, :, None]
+    s = jnp.arange(max_pages * page_size, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    q_pos = (lengths.astype(jnp.int32) - 1)[:, None, None]  # [B, 1, 1]
+    in_window = (window <= 0) | (s > q_pos - window)
+    owned = jnp.repeat(block_tables >= 0, page_size, axis=-1)  # [B, K, S]
+    return (s <= q_pos) & (in_window | (s < sinks)) & owned
+
+
+def split_ids(lengths: Int[Array, " B"], num_keys: int, page_size: int,
+              num_splits: int) -> Int[Array, "B S"]:
+    """The split each key falls in: row `b` is cut into `num_splits` contiguous pieces of
+    `ceil(ceil(lengths[b] / num_splits) / P) * P` keys (page aligned; the last ones may be short or
+    empty)."""
+    per_split = -(-lengths.astype(jnp.int32) // num_splits)
+    per_split = jnp.maximum(-(-per_split // page_size) * page_size, page_size)  # [B]
+    return jnp.arange(num_keys, dtype=jnp.int32)[None, :] // per_split[:, None]
+
+
+def paged_decode_partials(
+    q: Float[Array, "B N H"],
+    k_pages: Array,
+    v_pages: Array,
+    block_tables: Int[Array, "B K M"],
+    lengths: Int[Array, " B"],
+    *,
+    num_splits: int,
+    scale: float | None = None,
+    window: int | Int[Array, " K"] | None = None,
+    sinks: int | Int[Array, " K"] | None = None,
+    k_scales: Float[Array, "K num_pages C"] | None = None,
+    v_scales: Float[Array, "K num_pages C"] | None = None,
+) -> tuple[Float[Array, "B N J Hv"], Float[Array, "B N J"]]:
+    """Per-split attention of the decode query (`J = num_splits`, split rule: `split_ids`).
+
+    Args:
+      q: `[B, N, H]` decode queries.
+      k_pages: `[K, num_pages, P, H]` (float, or e4m3 with `k_scales`).
+      v_pages: `[K, num_pages, P, Hv]` (float, or e4m3 with `v_scales`).
+      block_tables: `[B, K, M]` int32 per-head page ids, -1 = not allocated.
+      lengths: `[B]` int32 tokens in the cache (0 = padding row).
+      num_splits: number of key splits `J`.
+      scale: score scale, default `H ** -0.5`.
+      window, sinks: None, an int, or `[K]` int32 (`window <= 0`: full).
+      k_scales, v_scales: fp8 scales `[K, num_pages, P // sub_block]`, or None.
+
+    Returns:
+      `(o [B, N, J, Hv] float32, lse [B, N, J] float32)`, each split normalised on its own; a split
+      with no visible key gives 0 and -inf.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv, _, page, _ = k_pages.shape
+    group = num_heads // num_kv
+    scale = head_dim**-0.5 if scale is None else scale
+    k = gather_pages(k_pages, block_tables, k_scales, dtype=jnp.float32)  # [B, S, K, H]
+    v = gather_pages(v_pages, block_tables, v_scales, dtype=jnp.float32)  # [B, S, K, Hv]
+    num_keys = k.shape[1]
+    visible = visible_mask(block_tables, lengths, page, window, sinks)  # [B, K, S]
+    kv_mask = visible.transpose(0, 2, 1)[..., None]  # [B, S, K, 1]
+    k = jnp.where(kv_mask, k, 0.0)
+    v = jnp.where(kv_mask, v, 0.0)
+    splits = split_ids(lengths, num_keys, page, num_splits)  # [B, S]
+    in_split = splits[:, None, :] == jnp.arange(num_splits)[None, :, None]  # [B, J, S]
+    mask = visible[:, None, :, None, :] & in_split[:, :, None, None, :]  # [B, J, K, 1, S]
+
+    qg = q.astype(jnp.float32).reshape(batch, num_kv, group, head_dim)  # n = k * G + g
+    scores = jnp.einsum("BKGH,BSKH->BKGS", qg, k) * scale
+    scores = jnp.where(mask, scores[:, None], -jnp.inf)  # [B, J, K, G, S]
+    m = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(scores - m)  # exactly 0 where masked
+    l = jnp.sum(p, axis=-1)  # [B, J, K, G]
+    safe_l = jnp.where(l > 0, l, 1.0)
+    o = jnp.einsum("BJKGS,BSKV->BJKGV", p, v) / safe_l[..., None]
+    lse = jnp.where(l > 0, m[..., 0] + jnp.log(safe_l), -jnp.inf)
+    o = o.transpose(0, 2, 3, 1, 4).reshape(batch, num_heads, num_splits, -1)
+    lse = lse.transpose(0, 2, 3, 1).reshape(batch, num_heads, num_splits)
+    return o, lse
+
+
+def paged_decode(
+    q: Float[Array, "B N H"],
+    k_pages: Array,
+    v_pages: Array,
+    block_tables: Int[Array, "B K M"],
+    lengths: Int[Array, " B"],
+    *,
+    scale: float | None = None,
+    window: int | Int[Array, " K"] | None = None,
+    sinks: int | Int[Array, " K"] | None = None,
+    k_scales: Float[Array, "K num_pages C"] | None = None,
+    v_scales: Float[Array, "K num_pages C"] | None = None,
+    num_splits: int = 1,
+) -> tuple[Float[Array, "B N Hv"], Float[Array, "B N"]]:
+    """Paged decode attention: `paged_decode_partials` merged by log-sum-exp.
+
+    Returns:
+      `(out [B, N, Hv] in q.dtype, lse [B, N] float32)`; rows with no visible key (length 0) give
+      exactly 0 and -inf.
+    """
+    o, lse = paged_decode_partials(
+        q, k_pages, v_pages, block_tables, lengths, num_splits=num_splits, scale=scale,
+        window=window, sinks=sinks, k_scales=k_scales, v_scales=v_scales)
+    if num_splits == 1:
+        out, lse = o[:, :, 0], lse[:, :, 0]
+    else:
+        out, lse = merge_reference.merge_partials(o, lse)
+    return out.astype(q.dtype), lse
