@@ -167,27 +167,45 @@ def _empty_output(s: jax.ShapeDtypeStruct, zeroed: bool) -> np.ndarray:
 
 
 @functools.cache
-def _fix_interpreter_scalars() -> None:
-    """Let loop bounds loaded from memory (`range(lo, hi)` with tensor bounds) work.
+def _fix_interpreter() -> None:
+    """Two fixes to Triton 3.6's interpreter; compiled kernels are unaffected.
 
-    Triton's interpreter turns a scalar tensor into a Python int with `int(ndarray)`; its scalars
-    are 1-element arrays, which numpy >= 2.4 refuses to convert. Compiled kernels are unaffected.
+    1. Loop bounds loaded from memory (`range(lo, hi)` with tensor bounds): the interpreter turns a
+       scalar tensor into an int with `int(ndarray)` on a 1-element array, which numpy >= 2.4
+       refuses.
+    2. `tl.dot` on bfloat16: the interpreter keeps bf16 as raw uint16 bits and multiplies the bits.
+       We widen bf16 operands to float32 first (exact), as the tensor cores accumulate in fp32.
     """
+    import triton.language as tl
     from triton.runtime import interpreter
 
-    original = interpreter._patch_lang_tensor
+    original_patch = interpreter._patch_lang_tensor
 
     def patch(tensor, scope):
-        original(tensor, scope)
+        original_patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(np.ravel(self.handle.data)[0]))
 
     interpreter._patch_lang_tensor = patch
+
+    builder = interpreter.InterpreterBuilder
+    original_dot = builder.create_dot
+
+    def widen(x):
+        if x.dtype.scalar == tl.bfloat16:
+            data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None)
+            return interpreter.TensorHandle(data.view(np.float32), tl.float32)
+        return x
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
 
 
 def _interpreted(kernel):
     from triton.runtime.interpreter import InterpretedFunction
 
-    _fix_interpreter_scalars()
+    _fix_interpreter()
     if not isinstance(kernel, InterpretedFunction):
         raise RuntimeError(
             f"{kernel} was compiled for a GPU, not for Triton's interpreter: set "
