@@ -161,6 +161,42 @@ def paged_rows(args, bw, rng) -> list[dict]:
     return rows
 
 
+def sweep(args, rng) -> None:
+    """Time a few launch configurations of our kernel (bf16 and fp8) and print them."""
+    b, s, kh, h, p = args.batch, args.seq, args.kv_heads, args.head_dim, args.page
+    max_pages, num_pages = s // p, b * (s // p) + 1
+    key = jax.random.key(0)
+    k_pages = jax.random.normal(key, (kh, num_pages, p, h), jnp.bfloat16)
+    v_pages = jax.random.normal(jax.random.fold_in(key, 1), (kh, num_pages, p, h), jnp.bfloat16)
+    kq, ks = fp8.quantize(k_pages, args.sub_block)
+    vq, vs = fp8.quantize(v_pages, args.sub_block)
+    table = _tables(rng, b, kh, max_pages, num_pages, per_head=True)
+    lengths = jnp.full((b,), s, jnp.int32)
+    full = jnp.zeros((kh,), jnp.int32)
+    kv_bytes = 2 * b * s * kh * h * 2
+    for g in args.groups:
+        q = jax.random.normal(jax.random.fold_in(key, g), (b, kh * g, h), jnp.bfloat16)
+        for fp, (kp, vp, kss, vss) in (("bf16", (k_pages, v_pages, None, None)),
+                                       ("fp8", (kq, vq, ks, vs))):
+            for bn, warps, stages, splits in ((32, 4, 2, 2), (64, 4, 2, 2), (64, 4, 3, 2),
+                                              (64, 8, 2, 2), (128, 4, 2, 2), (128, 8, 2, 2),
+                                              (128, 8, 3, 2), (64, 4, 2, 1), (64, 4, 2, 4)):
+                cfg = paged_triton.Config(block_n=bn, num_warps=warps, num_stages=stages,
+                                          num_splits=splits)
+                fn = jax.jit(functools.partial(paged_triton.paged_decode, scale=h**-0.5,
+                                               window=full, sinks=full, config=cfg))
+                try:
+                    ms = _bench.time_ms(lambda q, kp, vp, kss, vss, fn=fn: fn(
+                        q, kp, vp, table, lengths, k_scales=kss, v_scales=vss),
+                        q, kp, vp, kss, vss)
+                except Exception as e:
+                    print(f"G{g} {fp} {cfg}: {str(e).splitlines()[0][:80]}")
+                    continue
+                read = kv_bytes / (2 if fp == "fp8" else 1)
+                print(f"G{g:<3} {fp:5} n{bn:<4} w{warps} s{stages} j{splits}  {ms:7.4f} ms "
+                      f"{read / ms / 1e9:6.3f} TB/s")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -177,12 +213,15 @@ def main(argv=None):
     parser.add_argument("--sub-block", type=int, default=16)
     parser.add_argument("--skip-xla", action="store_true")
     parser.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
+    parser.add_argument("--sweep", action="store_true", help="time launch configs, write nothing")
     parser.add_argument("--out", default="benchmarks")
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.seq, args.groups = 4, 4096, [1, 4, 7]
     logging.basicConfig(level=logging.INFO)
     rng = np.random.default_rng(0)
+    if args.sweep:
+        return sweep(args, rng)
     bw = _bench.copy_bandwidth_tbs()
     log.info("copy bandwidth: %s", bw)
     rows = paged_rows(args, bw, rng)
