@@ -178,9 +178,7 @@ def sweep(args, rng) -> None:
         q = jax.random.normal(jax.random.fold_in(key, g), (b, kh * g, h), jnp.bfloat16)
         for fp, (kp, vp, kss, vss) in (("bf16", (k_pages, v_pages, None, None)),
                                        ("fp8", (kq, vq, ks, vs))):
-            for bn, warps, stages, splits in ((32, 4, 2, 2), (64, 4, 2, 2), (64, 4, 3, 2),
-                                              (64, 8, 2, 2), (128, 4, 2, 2), (128, 8, 2, 2),
-                                              (128, 8, 3, 2), (64, 4, 2, 1), (64, 4, 2, 4)):
+            for bn, warps, stages, splits in args.configs:
                 cfg = paged_triton.Config(block_n=bn, num_warps=warps, num_stages=stages,
                                           num_splits=splits)
                 fn = jax.jit(functools.partial(paged_triton.paged_decode, scale=h**-0.5,
@@ -214,6 +212,9 @@ def main(argv=None):
     parser.add_argument("--skip-xla", action="store_true")
     parser.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     parser.add_argument("--sweep", action="store_true", help="time launch configs, write nothing")
+    parser.add_argument("--configs", default="64-4-2-2,128-4-2-2,128-4-3-2,128-4-2-4",
+                        type=lambda s: [tuple(int(x) for x in c.split("-")) for c in s.split(",")],
+                        help="sweep configs block_n-warps-stages-splits, comma separated")
     parser.add_argument("--out", default="benchmarks")
     args = parser.parse_args(argv)
     if args.quick:
