@@ -64,7 +64,7 @@ def paged_rows(args, bw, rng) -> list[dict]:
     @jax.jit
     def ours(q, kp, vp, table, window, sinks, ks=None, vs=None):
         # Every array is an argument: a closed-over array would be baked into the program.
-        cfg = paged_triton.default_config(b, kh, s, q.shape[1] // kh)
+        cfg = paged_triton.default_config(b, kh, s, fp8=ks is not None)
         return paged_triton.paged_decode(q, kp, vp, table, lengths, scale=scale, window=window,
                                          sinks=sinks, k_scales=ks, v_scales=vs, config=cfg)
 

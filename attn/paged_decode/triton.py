@@ -49,14 +49,17 @@ class Config:
             raise ValueError(f"{self.fp8_compute=} must be 'float16' or 'bfloat16'")
 
 
-def default_config(batch: int, num_kv_heads: int, max_len: int, group: int) -> Config:
-    """Tiles measured best on the H100 (benchmarks/NOTES.md): 128-token tiles, 4 warps, 2 stages,
-    for bf16 and fp8 and every group size; splits so that about 4 programs per SM are in flight.
+def default_config(batch: int, num_kv_heads: int, max_len: int, *, fp8: bool = False) -> Config:
+    """Tiles measured best on the H100 (benchmarks/NOTES.md), the same for every group size
+    (queries pad to 16 rows): bf16 128-token tiles with 4 warps; fp8 64-token tiles with 2 warps
+    (half the bytes per tile, so fewer threads keep the loads in flight); splits so that about
+    4 programs per SM are in flight.
     """
-    del group  # one tile shape serves G = 1..16 (queries pad to 16 rows)
     programs = batch * num_kv_heads
     splits = max(1, min(32, -(-4 * 132 // programs), max(1, max_len // 1024)))
-    return Config(block_n=128, num_splits=splits)
+    if fp8:
+        return Config(block_n=64, num_warps=2, num_splits=splits)
+    return Config(block_n=128, num_warps=4, num_splits=splits)
 
 
 @triton.jit
@@ -227,8 +230,9 @@ def paged_decode(q, k_pages, v_pages, block_tables, lengths, *, scale, window, s
     from attn.merge import triton as merge
 
     if config is None:
-        config = default_config(q.shape[0], k_pages.shape[0], block_tables.shape[-1]
-                                * k_pages.shape[2], q.shape[1] // k_pages.shape[0])
+        config = default_config(q.shape[0], k_pages.shape[0],
+                                block_tables.shape[-1] * k_pages.shape[2],
+                                fp8=k_scales is not None)
     o, lse = paged_decode_partials(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                                    window=window, sinks=sinks, k_scales=k_scales,
                                    v_scales=v_scales, config=config)
