@@ -20,8 +20,8 @@ its dequantised copy, plus `s / 1024` in e4m3's subnormal range; in short at mos
 its sub-block.
 
 Why `DEFAULT_SUB_BLOCK = 16`: a scale costs 4 bytes per (head, sub-block), i.e.
-`4 / (sub_block * H)` bytes per fp8 byte: 0.2% at 16 tokens and H = 128, 0.1% at 32, 100% per
-token with H = 4. Smaller sub-blocks track outlier tokens better (one outlier only coarsens the
+`4 / (sub_block * H)` bytes per fp8 byte: at H = 128, 0.2% for 16 tokens, 0.1% for 32, 3% for a
+per-token scale. Smaller sub-blocks track outlier tokens better (one outlier only coarsens the
 grid of the tokens that share its scale) and make the decode-time read-modify-write (see
 `quantize_tokens`) touch fewer tokens, with fewer double roundings per token. 16 tokens is the
 smallest block that keeps the scale overhead negligible, and it divides every page size we use

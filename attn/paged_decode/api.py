@@ -18,7 +18,19 @@ FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 _SUPPORTED = ("xla",)
 
+# jit once here so eager callers (notebooks, tests) do not dispatch op by op; inside a caller's jit
+# these are inlined. `paged_decode` shares the partials' compilation with `paged_decode_partials`.
 _partials_xla = jax.jit(reference.paged_decode_partials, static_argnames=("num_splits", "scale"))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "merge_impl"))
+def _finish(o, lse, dtype, merge_impl: str):
+    """One split: take it; several: `attn.merge.merge_partials`. Output in `dtype`."""
+    if o.shape[2] == 1:
+        out, lse = o[:, :, 0], lse[:, :, 0]
+    else:
+        out, lse = merge_partials(o, lse, implementation=merge_impl)
+    return out.astype(dtype), lse
 
 
 def _check_pool(name: str, pages, scales, scales_name: str) -> int:
@@ -209,12 +221,7 @@ def paged_decode(
     o, lse = _partials_xla(q, k_pages, v_pages, block_tables, lengths, num_splits=num_splits,
                            scale=scale, window=window, sinks=sinks, k_scales=k_scales,
                            v_scales=v_scales)
-    if num_splits == 1:
-        out, lse = o[:, :, 0], lse[:, :, 0]
-    else:
-        merge_impl = "auto" if implementation == "auto" else impl
-        out, lse = merge_partials(o, lse, implementation=merge_impl)
-    return out.astype(q.dtype), lse
+    return _finish(o, lse, jnp.dtype(q.dtype), "auto" if implementation == "auto" else impl)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
@@ -257,5 +264,5 @@ def gather_pages(
     if dtype is not None:
         dtype = jnp.dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(f"{dtype=} must be a floating dtype")
+            raise TypeError(f"dtype={dtype} must be a floating dtype")
     return _gather_xla(pages, block_tables, scales, dtype)

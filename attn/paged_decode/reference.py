@@ -53,6 +53,10 @@ def gather_pages(
       `[B, S = M * P, K, H]`: key/value `s` of row `b`, head `k` at `[b, s, k]`. Tokens past a row's
       length, and tokens of -1 pages (null page content), are returned as stored: mask them.
     """
+    return _gather_head_major(pages, block_tables, scales, dtype).transpose(0, 2, 1, 3)
+
+
+def _gather_head_major(pages, block_tables, scales, dtype) -> Float[Array, "B K S H"]:
     num_kv, _, page, head_dim = pages.shape
     batch, _, max_pages = block_tables.shape
     ids = jnp.where(block_tables < 0, 0, block_tables)  # -1 -> null page, never a wrapped index
@@ -63,7 +67,7 @@ def gather_pages(
         s = jnp.repeat(s, page // scales.shape[-1], axis=-1)  # [B, K, M, P]
         g = g.astype(jnp.float32) * s[..., None]
         dtype = jnp.float32 if dtype is None else dtype
-    g = g.reshape(batch, num_kv, max_pages * page, head_dim).transpose(0, 2, 1, 3)
+    g = g.reshape(batch, num_kv, max_pages * page, head_dim)
     return g if dtype is None else g.astype(dtype)
 
 
@@ -130,29 +134,28 @@ def paged_decode_partials(
     num_kv, _, page, _ = k_pages.shape
     group = num_heads // num_kv
     scale = head_dim**-0.5 if scale is None else scale
-    k = gather_pages(k_pages, block_tables, k_scales, dtype=jnp.float32)  # [B, S, K, H]
-    v = gather_pages(v_pages, block_tables, v_scales, dtype=jnp.float32)  # [B, S, K, Hv]
-    num_keys = k.shape[1]
+    k = _gather_head_major(k_pages, block_tables, k_scales, jnp.float32)  # [B, K, S, H]
+    v = _gather_head_major(v_pages, block_tables, v_scales, jnp.float32)  # [B, K, S, Hv]
+    num_keys = k.shape[2]
     visible = visible_mask(block_tables, lengths, page, window, sinks)  # [B, K, S]
-    kv_mask = visible.transpose(0, 2, 1)[..., None]  # [B, S, K, 1]
-    k = jnp.where(kv_mask, k, 0.0)
-    v = jnp.where(kv_mask, v, 0.0)
+    k = jnp.where(visible[..., None], k, 0.0)
+    v = jnp.where(visible[..., None], v, 0.0)
     splits = split_ids(lengths, num_keys, page, num_splits)  # [B, S]
     in_split = splits[:, None, :] == jnp.arange(num_splits)[None, :, None]  # [B, J, S]
-    mask = visible[:, None, :, None, :] & in_split[:, :, None, None, :]  # [B, J, K, 1, S]
+    mask = visible[:, :, None, None, :] & in_split[:, None, :, None, :]  # [B, K, J, 1, S]
 
     qg = q.astype(jnp.float32).reshape(batch, num_kv, group, head_dim)  # n = k * G + g
-    scores = jnp.einsum("BKGH,BSKH->BKGS", qg, k) * scale
-    scores = jnp.where(mask, scores[:, None], -jnp.inf)  # [B, J, K, G, S]
+    scores = jnp.einsum("BKGH,BKSH->BKGS", qg, k) * scale
+    scores = jnp.where(mask, scores[:, :, None], -jnp.inf)  # [B, K, J, G, S]
     m = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(scores - m)  # exactly 0 where masked
-    l = jnp.sum(p, axis=-1)  # [B, J, K, G]
+    l = jnp.sum(p, axis=-1)  # [B, K, J, G]
     safe_l = jnp.where(l > 0, l, 1.0)
-    o = jnp.einsum("BJKGS,BSKV->BJKGV", p, v) / safe_l[..., None]
+    o = jnp.einsum("BKJGS,BKSV->BKJGV", p, v) / safe_l[..., None]
     lse = jnp.where(l > 0, m[..., 0] + jnp.log(safe_l), -jnp.inf)
-    o = o.transpose(0, 2, 3, 1, 4).reshape(batch, num_heads, num_splits, -1)
-    lse = lse.transpose(0, 2, 3, 1).reshape(batch, num_heads, num_splits)
+    o = o.transpose(0, 1, 3, 2, 4).reshape(batch, num_heads, num_splits, -1)
+    lse = lse.transpose(0, 1, 3, 2).reshape(batch, num_heads, num_splits)
     return o, lse
 
 
