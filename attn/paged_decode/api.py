@@ -16,7 +16,7 @@ from attn.paged_decode import reference
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
-_SUPPORTED = ("xla",)
+_SUPPORTED = ("triton", "xla")  # paged_decode; the partials exist in xla only
 
 # jit once here so eager callers (notebooks, tests) do not dispatch op by op; inside a caller's jit
 # these are inlined. `paged_decode` shares the partials' compilation with `paged_decode_partials`.
@@ -79,7 +79,7 @@ def _check_per_head(name: str, value, num_kv: int, *, non_negative: bool):
 
 
 def _validate(q, k_pages, v_pages, block_tables, lengths, *, scale, window, sinks, k_scales,
-              v_scales, num_splits, implementation):
+              v_scales, num_splits, implementation, supported=_SUPPORTED):
     """Shared validation; returns (impl, scale, window, sinks) normalised."""
     _checks.check_rank("q", q, 3, "B, N, H")
     _checks.check_dtype("q", q, _FLOATS)
@@ -117,7 +117,7 @@ def _validate(q, k_pages, v_pages, block_tables, lengths, *, scale, window, sink
         scale = float(scale)
     window = _check_per_head("window", window, num_kv, non_negative=False)
     sinks = _check_per_head("sinks", sinks, num_kv, non_negative=True)
-    impl = resolve_implementation(implementation, supported=_SUPPORTED)
+    impl = resolve_implementation(implementation, supported=supported)
     return impl, scale, window, sinks
 
 
@@ -153,8 +153,8 @@ def paged_decode_partials(
     impl, scale, window, sinks = _validate(
         q, k_pages, v_pages, block_tables, lengths, scale=scale, window=window, sinks=sinks,
         k_scales=k_scales, v_scales=v_scales, num_splits=num_splits,
-        implementation=implementation)
-    del impl  # only "xla" so far
+        implementation=implementation, supported=("xla",))
+    del impl  # only "xla": the kernel's splits are its own, so its partials are not comparable
     return _partials_xla(q, k_pages, v_pages, block_tables, lengths, num_splits=num_splits,
                          scale=scale, window=window, sinks=sinks, k_scales=k_scales,
                          v_scales=v_scales)
@@ -200,7 +200,9 @@ def paged_decode(
         dequantised inside.
       num_splits: split the key range into this many pieces (split-KV) and merge them with
         `attn.merge.merge_partials`; the result equals the unsplit one up to rounding.
-      implementation: `"xla"` or `"auto"` (only the reference exists so far).
+      implementation: `"xla"`, `"triton"` or `"auto"` (the Triton kernel on a GPU). The Triton
+        kernel chooses its own split count (`attn.paged_decode.triton.default_config`); splits
+        change the result only by rounding.
 
     Returns:
       `(out [B, N, Hv] in q.dtype, lse [B, N] float32)`, natural-log log-sum-exp of the scaled
@@ -218,6 +220,12 @@ def paged_decode(
         q, k_pages, v_pages, block_tables, lengths, scale=scale, window=window, sinks=sinks,
         k_scales=k_scales, v_scales=v_scales, num_splits=num_splits,
         implementation=implementation)
+    if impl == "triton":
+        from attn.paged_decode import triton as kernel
+
+        return kernel.paged_decode(q, k_pages, v_pages, block_tables, lengths, scale=scale,
+                                   window=window, sinks=sinks, k_scales=k_scales,
+                                   v_scales=v_scales)
     o, lse = _partials_xla(q, k_pages, v_pages, block_tables, lengths, num_splits=num_splits,
                            scale=scale, window=window, sinks=sinks, k_scales=k_scales,
                            v_scales=v_scales)

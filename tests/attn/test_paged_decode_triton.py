@@ -138,3 +138,17 @@ def test_compiled_on_gpu(g, p):
     exp8, _ = ref.paged_decode(q, kq, vq, tables, lengths, scale=h**-0.5, window=w, sinks=sk,
                                k_scales=ks, v_scales=vs)
     assert_close(out8, exp8, dtype=jnp.bfloat16)
+
+
+def test_public_api_dispatches_to_the_kernel():
+    from attn.paged_decode import paged_decode
+
+    gen = rng()
+    q, kp, vp, tables, lengths, _ = _problem(gen, b=3, kh=2, g=3, h=16, hv=16, p=16,
+                                             max_pages=3, dtype=jnp.float32)
+    out, lse = paged_decode(q, kp, vp, tables, lengths, window=20, sinks=4,
+                            implementation="triton")
+    exp_out, exp_lse = paged_decode(q, kp, vp, tables, lengths, window=20, sinks=4,
+                                    implementation="xla")
+    assert_close(out, exp_out)
+    assert_close(lse, exp_lse, allow_neg_inf=True)
