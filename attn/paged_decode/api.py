@@ -223,6 +223,7 @@ def paged_decode(
     if impl == "triton":
         from attn.paged_decode import triton as kernel
 
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         return kernel.paged_decode(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                                    window=window, sinks=sinks, k_scales=k_scales,
                                    v_scales=v_scales)
