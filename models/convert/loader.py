@@ -27,13 +27,9 @@ from flax import nnx
 
 from models.config import ConfigError, HFConfig
 from models.convert import registry
-from models.convert.sources import (
-    CheckpointError,
-    GGUFSource,
-    SafetensorsSource,
-    gguf_metadata,
-    open_gguf,
-)
+from models.convert.gguf_file import GGUFFile
+from models.convert.sources import CheckpointError, GGUFSource, SafetensorsSource
+from models.layers.linear import abstract_init
 
 log = logging.getLogger(__name__)
 _MAX_LISTED = 25
@@ -64,8 +60,9 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 
 def abstract_model(family: registry.Family, cfg, dtype) -> nnx.Module:
-    """The family's model with `ShapeDtypeStruct` parameters (nothing allocated)."""
-    return nnx.eval_shape(lambda: family.model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    """The family's model with `ShapeDtypeStruct` parameters (see `layers.linear.weight`)."""
+    with abstract_init():
+        return family.model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0))
 
 
 def flat_params(state) -> dict[str, nnx.Variable]:
@@ -100,6 +97,18 @@ def check_rules(rules, params: dict, family: str) -> None:
             + (_listing("checkpoint tensors used twice", reused) if reused else ""))
 
 
+@functools.lru_cache(maxsize=4096)
+def _converted_shape(transform, shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...] | None:
+    """Shape a rule's transform gives for these source shapes (None: it cannot apply)."""
+    if transform is None:
+        return shapes[0] if len(shapes) == 1 else None
+    structs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    try:
+        return tuple(jax.eval_shape(transform, *structs).shape)
+    except (TypeError, ValueError):
+        return None
+
+
 def account(rules, params: dict, source, ignore: tuple[str, ...], where: str) -> tuple[str, ...]:
     """Check names and shapes before loading; returns the ignored checkpoint names.
 
@@ -118,11 +127,8 @@ def account(rules, params: dict, source, ignore: tuple[str, ...], where: str) ->
         if any(s not in available for s in r.sources):
             continue
         want = params[r.target]
-        structs = [jax.ShapeDtypeStruct(source.shape(s), jnp.float32) for s in r.sources]
-        try:
-            got = jax.eval_shape(r.apply, *structs).shape
-        except (TypeError, ValueError):
-            got = None
+        shapes = tuple(tuple(source.shape(s)) for s in r.sources)
+        got = _converted_shape(r.transform, shapes)
         if got != tuple(want.shape):
             shapes = ", ".join(f"{source.describe(s)} {list(source.shape(s))}"
                                for s in r.sources[:4])
@@ -201,19 +207,19 @@ def _open_hf(directory: str):
 
 
 def _open_gguf(path: str):
-    reader = open_gguf(path)
-    meta = gguf_metadata(reader)
+    gfile = GGUFFile(path)
+    meta = gfile.metadata
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         raise ConfigError(f"{path}: GGUF metadata field 'general.architecture' is missing")
     family = registry.family_for_gguf(arch, source=path)
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    shapes = {name: info.shape for name, info in gfile.tensors.items()}
     hf = HFConfig(family.gguf_config(meta, shapes), source=f"{path} (GGUF metadata)")
     cfg = family.config_from_hf(hf)
     fixup = None
     if family.gguf_fixup is not None:
         fixup = functools.partial(_fixup, family.gguf_fixup, cfg)
-    return family, cfg, GGUFSource(path, reader, to_hf=family.gguf_to_hf, fixup=fixup)
+    return family, cfg, GGUFSource(gfile, to_hf=family.gguf_to_hf, fixup=fixup)
 
 
 def _fixup(fn, cfg, name, arr):

@@ -6,7 +6,7 @@ tensor at a time, so a load holds at most one host copy of one tensor besides th
 * `SafetensorsSource`: a small reader of the safetensors format (8-byte header length, JSON
   header, raw little-endian data), using `ml_dtypes` for bf16 / fp8, which numpy lacks. Corrupt
   headers, offsets past the end of the file and size mismatches are reported with the file name.
-* `GGUFSource`: `gguf.GGUFReader` (memory-mapped); quantised tensors are dequantised with
+* `GGUFSource`: a parsed `GGUFFile` (`gguf_file.py`); quantised tensors are dequantised with
   `gguf.quants.dequantize`; names are translated to HF names by the family's table; the family's
   fix-up hook undoes llama.cpp's tensor permutations (the Llama q/k rotary permutation).
 """
@@ -135,82 +135,40 @@ class SafetensorsSource:
         return self._where[name].read(name)
 
 
-def open_gguf(path: str):
-    """A `gguf.GGUFReader` for `path`.
-
-    Raises:
-      CheckpointError: the file is not a readable GGUF file (the reason included).
-    """
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError, struct.error, IndexError, ...
-        raise CheckpointError(f"{path}: not a readable GGUF file: {type(e).__name__}: {e}") \
-            from None
-
-
-def gguf_metadata(reader, *, max_array: int = 256) -> dict[str, Any]:
-    """Scalar, string and short-array metadata fields of a GGUF file (tokenizer arrays skipped)."""
-    import gguf
-
-    meta = {}
-    for key, field in reader.fields.items():
-        if not field.types:
-            continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY and len(field.data) > max_array:
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # an exotic field type: not needed for conversion
-            continue
-    return meta
-
-
 class GGUFSource:
     """Tensors of a `.gguf` file under HF names, dequantised to float32 on read.
 
     Args:
-      path: the file.
-      reader: its open `GGUFReader`.
+      gguf_file: the parsed file (`models.convert.gguf_file.GGUFFile`).
       to_hf: GGUF tensor name → HF name (None: keep the GGUF name, so it is reported as such).
       fixup: `(hf_name, array) -> array` applied after dequantisation (permutations).
     """
 
-    def __init__(self, path: str, reader, *, to_hf: Callable[[str], str | None],
+    def __init__(self, gguf_file, *, to_hf: Callable[[str], str | None],
                  fixup: Callable[[str, np.ndarray], np.ndarray] | None = None):
-        self.path = path
+        self.file = gguf_file
+        self.path = gguf_file.path
         self._fixup = fixup
-        self._tensors: dict[str, Any] = {}
         self._gguf_name: dict[str, str] = {}
-        for t in reader.tensors:
-            hf = to_hf(t.name) or t.name
-            if hf in self._tensors:
-                raise CheckpointError(f"{path}: tensors {self._gguf_name[hf]!r} and {t.name!r} "
-                                      f"both map to {hf!r}")
-            self._tensors[hf] = t
-            self._gguf_name[hf] = t.name
+        for name in gguf_file.tensors:
+            hf = to_hf(name) or name
+            if hf in self._gguf_name:
+                raise CheckpointError(f"{self.path}: tensors {self._gguf_name[hf]!r} and "
+                                      f"{name!r} both map to {hf!r}")
+            self._gguf_name[hf] = name
 
     def names(self) -> list[str]:
-        return list(self._tensors)
+        return list(self._gguf_name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        # GGML lists dimensions fastest-first; numpy / torch order is the reverse.
-        return tuple(int(d) for d in reversed(self._tensors[name].shape))
+        return self.file.tensors[self._gguf_name[name]].shape
 
     def describe(self, name: str) -> str:
         g = self._gguf_name[name]
         return f"{name!r}" if g == name else f"{name!r} (GGUF {g!r})"
 
     def read(self, name: str) -> np.ndarray:
-        import gguf
-
-        t = self._tensors[name]
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise CheckpointError(f"{self.path}: tensor {self.describe(name)}: {e}") from None
-        arr = np.asarray(arr).reshape(self.shape(name))
+        arr = self.file.read(self._gguf_name[name])
         if self._fixup is not None:
             arr = self._fixup(name, arr)
         return arr

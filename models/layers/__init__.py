@@ -18,7 +18,7 @@ from models.layers.moe import (
     topk_softmax,
 )
 from models.layers.norms import GatedRMSNorm, RMSNorm, gated_rms_norm, rms_norm
-from models.layers.rope import RopeConfig, apply_rope, cos_sin, rope, rope_from_hf, yarn_mscale
+from models.layers.rope import RopeConfig, apply_rope, cos_sin, rope_from_hf, rotate, yarn_mscale
 
 __all__ = [
     "QKV",
@@ -43,8 +43,8 @@ __all__ = [
     "moe_dense",
     "moe_sorted",
     "rms_norm",
-    "rope",
     "rope_from_hf",
+    "rotate",
     "topk_softmax",
     "yarn_mscale",
 ]

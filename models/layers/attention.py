@@ -36,7 +36,7 @@ from jaxtyping import Array, Float, Int
 from models.config import ConfigBase, ConfigError, check_choice, check_divisible, check_positive
 from models.layers.linear import Linear
 from models.layers.norms import RMSNorm
-from models.layers.rope import RopeConfig, rope
+from models.layers.rope import RopeConfig, rotate
 
 QK_NORMS = (None, "plain", "zero_centered")
 
@@ -195,7 +195,7 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.rope is not None:
-            q, k = rope(cfg.rope, q, positions), rope(cfg.rope, k, positions)
+            q, k = rotate(cfg.rope, q, positions), rotate(cfg.rope, k, positions)
         return QKV(q, k, v)
 
     def output(self, o: Float[Array, "B T N Hv"], qkv: QKV) -> Float[Array, "B T D"]:

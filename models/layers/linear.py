@@ -1,13 +1,17 @@
 """Dense building blocks: Linear, Embed (with the tied output head) and the gated MLP.
 
 Parameters use the math layout, not torch's: a `Linear` kernel is `[in, out]` (torch `W.T`), an
-embedding is `[V, D]`. Random init exists for tests and training from scratch; checkpoint loading
-builds the modules abstractly (`nnx.eval_shape`) and never materialises it.
+embedding is `[V, D]`. Every parameter is made by `weight(...)`: random (normal) or constant
+init for tests and training from scratch, or, inside `abstract_init()`, a bare
+`jax.ShapeDtypeStruct` — how checkpoint loading builds a model's structure without allocating or
+tracing anything. Modules of other families should create their parameters with `weight` too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +25,35 @@ ACTIVATIONS: dict[str, Callable] = {
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "relu": jax.nn.relu,
 }
+
+
+_ABSTRACT = contextvars.ContextVar("models_abstract_init", default=False)
+
+
+@contextlib.contextmanager
+def abstract_init():
+    """Inside this context `weight()` returns shape-only parameters (no memory, no tracing)."""
+    token = _ABSTRACT.set(True)
+    try:
+        yield
+    finally:
+        _ABSTRACT.reset(token)
+
+
+def weight(rngs: nnx.Rngs | None, shape: Sequence[int], dtype, *, init: str = "normal",
+           std: float = 0.02) -> nnx.Param:
+    """A parameter of `shape`: `init` in {"normal", "zeros", "ones"} (normal needs `rngs`).
+
+    Inside `abstract_init()` it is a `jax.ShapeDtypeStruct` placeholder instead.
+    """
+    shape = tuple(int(d) for d in shape)
+    if _ABSTRACT.get():
+        return nnx.Param(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)))
+    if init == "normal":
+        return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype))
+    if init in ("zeros", "ones"):
+        return nnx.Param((jnp.zeros if init == "zeros" else jnp.ones)(shape, dtype))
+    raise ValueError(f"{init=} must be 'normal', 'zeros' or 'ones'")
 
 
 def activation(name: str) -> Callable:
@@ -46,9 +79,8 @@ class Linear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
                  dtype=jnp.float32, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(
-            0.02 * jax.random.normal(rngs.params(), (in_features, out_features), dtype))
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+        self.kernel = weight(rngs, (in_features, out_features), dtype)
+        self.bias = weight(rngs, (out_features,), dtype, init="zeros") if bias else None
 
     def __call__(self, x: Float[Array, "... I"]) -> Float[Array, "... O"]:
         kernel = self.kernel[...]
@@ -62,8 +94,7 @@ class Embed(nnx.Module):
     """Token embedding `[V, D]`; `attend` is the tied output head `x @ embedding.T`."""
 
     def __init__(self, vocab_size: int, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.embedding = nnx.Param(
-            0.02 * jax.random.normal(rngs.params(), (vocab_size, dim), dtype))
+        self.embedding = weight(rngs, (vocab_size, dim), dtype)
 
     def __call__(self, ids: Int[Array, "B T"]) -> Float[Array, "B T D"]:
         return jnp.take(self.embedding[...], ids, axis=0)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from models.layers.linear import GatedMLP, Linear, activation
+from models.layers.linear import GatedMLP, Linear, activation, weight
 
 DISPATCH = ("auto", "ragged_dot", "tiles", "dense")
 
@@ -194,10 +194,9 @@ class SwiGLUExperts(nnx.Module):
         activation(act)
         self.act = act
         self.dispatch = dispatch
-        init = lambda shape: nnx.Param(0.02 * jax.random.normal(rngs.params(), shape, dtype))
-        self.gate_proj = init((num_experts, dim, hidden))
-        self.up_proj = init((num_experts, dim, hidden))
-        self.down_proj = init((num_experts, hidden, dim))
+        self.gate_proj = weight(rngs, (num_experts, dim, hidden), dtype)
+        self.up_proj = weight(rngs, (num_experts, dim, hidden), dtype)
+        self.down_proj = weight(rngs, (num_experts, hidden, dim), dtype)
 
     def __call__(self, x: Float[Array, "M D"], ids: Int[Array, "M k"],
                  weights: Float[Array, "M k"], *, dispatch: str | None = None

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from models.layers.linear import weight
+
 
 def rms_normalize(x: Float[Array, "... D"], eps: float) -> Float[Array, "... D"]:
     """float32 `x * rsqrt(mean(x²) + eps)` over the last axis."""
@@ -54,8 +56,7 @@ class RMSNorm(nnx.Module):
                  dtype=jnp.float32):
         self.eps = eps
         self.zero_centered = zero_centered
-        init = jnp.zeros if zero_centered else jnp.ones
-        self.weight = nnx.Param(init((dim,), dtype))
+        self.weight = weight(None, (dim,), dtype, init="zeros" if zero_centered else "ones")
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         return rms_norm(x, self.weight[...], self.eps, zero_centered=self.zero_centered)
@@ -66,7 +67,7 @@ class GatedRMSNorm(nnx.Module):
 
     def __init__(self, dim: int, *, eps: float, dtype=jnp.float32):
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.weight = weight(None, (dim,), dtype, init="ones")
 
     def __call__(self, x: Float[Array, "... D"], z: Float[Array, "... D"]) -> Float[Array, "... D"]:
         return gated_rms_norm(x, z, self.weight[...], self.eps)

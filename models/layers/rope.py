@@ -273,8 +273,8 @@ def apply_rope(
     return jnp.concatenate([out.astype(x.dtype), rest], axis=-1)
 
 
-def rope(cfg: RopeConfig, x: Float[Array, "B T n H"],
-         positions: Int[Array, "B T"]) -> Float[Array, "B T n H"]:
+def rotate(cfg: RopeConfig, x: Float[Array, "B T n H"],
+           positions: Int[Array, "B T"]) -> Float[Array, "B T n H"]:
     """`apply_rope` with `cfg`'s frequencies at `positions`."""
     c, s = cos_sin(cfg, positions)
     return apply_rope(x, c, s, layout=cfg.layout)
