@@ -1,0 +1,175 @@
+"""Reference XAttention block-importance estimate and threshold block selection.
+
+XAttention (arXiv 2503.16428; mit-han-lab/x-attention `xattn_estimate`, `select_mode="inverse"`)
+scores each `block_size × block_size` tile of the causal attention matrix cheaply:
+
+1. Antidiagonal strided scores. With stride `st`, reduced row `m` and reduced column `n`,
+   `A[m, n] = Σ_{i<st} q[m·st + st-1-i] · k[n·st + i]`: the antidiagonal sum of each `st × st`
+   tile of `QKᵀ`. As one matmul: `q_r[m] = concat_i q[m·st + st-1-i]`, `k_r[n] = concat_i
+   k[n·st + i]` along features, `A = q_r k_rᵀ` (einsum `BMKGX,BNKX->BKGMN`, `X = st·H`).
+2. Softmax of `A / sqrt(H) / st / norm` over each reduced row under the causal rule in reduced
+   coordinates (`n <= m + ceil((kv_len - q_len) / st)`, `n < ceil(kv_len / st)`); reduced rows past
+   the queries get zero mass. Probabilities summed into `(bs/st) × (bs/st)` tiles give
+   `block_sums [B, N, Tb, Sb]`; each reduced row of a real query adds mass 1 to its tile row.
+3. `find_blocks`: per (request, head, query tile `r`), keep key block 0 (sink) and the diagonal
+   `d(r)`, then the other blocks in descending mass while the mass kept *before* adding a block is
+   `< threshold · row total` (the smallest prefix reaching the threshold, including the block that
+   crosses it). Then clip to `j <= d(r)` (block causal) and drop tiles past `ceil(q_len / bs)` and
+   blocks past `ceil(kv_len / bs)`.
+
+Geometry is that of `attn.block_sparse`: queries are the last `q_len` of `kv_len` keys, query tiles
+are query-local, key blocks absolute, `d(r)` from `attn.block_sparse.reference.diagonal_blocks`.
+For `q_len == kv_len` (or a block-aligned difference) this equals the original; there the
+original's `k_block_num - q_block_num` offset is in chunk-padded blocks and mis-places queries.
+
+Differences from the original, on purpose: all math in float32 (the original stores scores and
+probabilities in the input dtype and sorts in float64, so near-ties may break differently); GQA
+reads KV head `n // G` instead of expanding K; chunking (`chunk_size`) bounds memory only and never
+changes the result. In the original, when sink and diagonal coincide (`d(r) = 0`) one extra block
+can be kept; the causal clip removes it, so the results agree.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from attn.block_sparse.reference import _cdiv, _lengths, diagonal_blocks
+
+
+def default_chunk_size(kv_len: int) -> int:
+    """The original's chunk: `max(min(max(2048, P), 128·1024·2048 // P), 2048)`, P = next_pow2."""
+    p = 1 << max(kv_len - 1, 0).bit_length()
+    return max(min(max(2048, p), 128 * 1024 * 2048 // p), 2048)
+
+
+def _pad_to(x, axis: int, multiple: int):
+    pad = -x.shape[axis] % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def antidiagonal_scores(
+    q: Float[Array, "B T N H"], k: Float[Array, "B S K H"], stride: int
+) -> Float[Array, "B N M R"]:
+    """`A[b, n, m, r] = Σ_i q[b, m·st + st-1-i, n] · k[b, r·st + i, n // G]` (float32, unscaled).
+
+    T and S must be multiples of `stride` (`M = T / st`, `R = S / st`).
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    qr = q.astype(jnp.float32).reshape(B, T // stride, stride, K, N // K, H)[:, :, ::-1]
+    qr = qr.transpose(0, 1, 3, 4, 2, 5).reshape(B, T // stride, K, N // K, stride * H)
+    kr = k.astype(jnp.float32).reshape(B, S // stride, stride, K, H)
+    kr = kr.transpose(0, 1, 3, 2, 4).reshape(B, S // stride, K, stride * H)
+    a = jnp.einsum("BMKGX,BRKX->BKGMR", qr, kr, precision=jax.lax.Precision.HIGHEST)
+    return a.reshape(B, N, T // stride, S // stride)
+
+
+def find_blocks(
+    block_sums: Float[Array, "B N Tb Sb"],
+    diagonal: Int[Array, "B Tb"],
+    threshold: float,
+) -> Bool[Array, "B N Tb Sb"]:
+    """Threshold selection: sink + diagonal forced, then descending mass until `threshold`.
+
+    Args:
+      block_sums: `[B, N, Tb, Sb]` non-negative block masses.
+      diagonal: `[B, Tb]` int32 diagonal key block of every query tile.
+      threshold: fraction τ of each row's total mass to keep.
+
+    Returns:
+      `[B, N, Tb, Sb]` bool, clipped to `j <= diagonal` (block causal); no length trimming.
+    """
+    x = block_sums.astype(jnp.float32)
+    j = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    d = diagonal[:, None, :, None]  # [B, 1, Tb, 1]
+    forced = (j == 0) | (j == d)
+    required = threshold * jnp.sum(x, axis=-1, keepdims=True)
+    forced_mass = jnp.sum(jnp.where(forced, x, 0.0), axis=-1, keepdims=True)
+    other = jnp.where(forced, 0.0, x)
+    order = jnp.argsort(jnp.where(forced, jnp.inf, -other), axis=-1, stable=True)  # descending
+    ranked = jnp.take_along_axis(other, order, axis=-1)
+    before = forced_mass + jnp.cumsum(ranked, axis=-1) - ranked  # mass kept before this block
+    keep_ranked = before < required
+    keep = jnp.take_along_axis(keep_ranked, jnp.argsort(order, axis=-1), axis=-1)
+    return (forced | keep) & (j <= d)
+
+
+def xattn_estimate(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B S K H"],
+    *,
+    block_size: int = 128,
+    stride: int = 16,
+    threshold: float = 0.9,
+    norm: float = 1.0,
+    chunk_size: int | None = None,
+    q_lengths: Int[Array, " B"] | None = None,
+    kv_lengths: Int[Array, " B"] | None = None,
+) -> tuple[Float[Array, "B N Tb Sb"], Bool[Array, "B N Tb Sb"]]:
+    """XAttention block masses and threshold mask for block-sparse prefill.
+
+    Args:
+      q: `[B, T, N, H]` queries after RoPE (the last `q_len` positions of the keys).
+      k: `[B, S, K, H]` keys after RoPE; head n reads KV head `n // (N // K)`.
+      block_size: tile size; a multiple of `stride`.
+      stride: antidiagonal stride `st`.
+      threshold: τ, the fraction of each row's mass to keep.
+      norm: extra softmax temperature divisor.
+      chunk_size: query tokens per step (memory only), a multiple of `block_size`; default the
+        original's rule from S.
+      q_lengths, kv_lengths: `[B]` int32 valid lengths; default T and S.
+
+    Returns:
+      `(block_sums [B, N, Tb, Sb] float32, block_mask [B, N, Tb, Sb] bool)` with
+      `Tb = ceil(T / block_size)`, `Sb = ceil(S / block_size)`.
+    """
+    B, T, N, H = q.shape
+    S = k.shape[1]
+    q_len, kv_len = _lengths(q_lengths, T, B), _lengths(kv_lengths, S, B)
+    # Zero the padding (the original pads with zeros); this also keeps NaN padding out.
+    q = jnp.where((jnp.arange(T) < q_len[:, None])[:, :, None, None], q, 0)
+    k = jnp.where((jnp.arange(S) < kv_len[:, None])[:, :, None, None], k, 0)
+    chunk = default_chunk_size(S) if chunk_size is None else chunk_size
+    chunk = min(chunk, _cdiv(T, block_size) * block_size)  # no chunk larger than the queries
+    q = _pad_to(q, 1, chunk)
+    k = _pad_to(k, 1, block_size)
+    Tb, Sb = _cdiv(T, block_size), _cdiv(S, block_size)
+    rows, cols, per_block = chunk // stride, k.shape[1] // stride, block_size // stride
+    num_chunks = q.shape[1] // chunk
+    scale = 1.0 / math.sqrt(H) / stride / norm  # norm may be traced
+    shift = _cdiv(kv_len - q_len, stride)[:, None, None, None]  # [B, 1, 1, 1]
+    valid_rows = _cdiv(q_len, stride)[:, None, None, None]
+    valid_cols = _cdiv(kv_len, stride)[:, None, None, None]
+    n = jnp.arange(cols, dtype=jnp.int32)
+
+    def chunk_sums(args):
+        q_chunk, c = args  # [B, chunk, N, H], chunk index
+        a = antidiagonal_scores(q_chunk, k, stride) * scale  # [B, N, rows, cols]
+        m = c * rows + jnp.arange(rows, dtype=jnp.int32)[:, None]  # query-local reduced row
+        visible = (n <= m + shift) & (n < valid_cols) & (m < valid_rows)
+        a = jnp.where(visible, a, -jnp.inf)
+        row_max = jnp.max(a, axis=-1, keepdims=True)
+        p = jnp.where(visible, jnp.exp(a - jnp.where(jnp.isfinite(row_max), row_max, 0.0)), 0.0)
+        denom = jnp.sum(p, axis=-1, keepdims=True)
+        p = p / jnp.where(denom > 0, denom, 1.0)
+        p = p.reshape(B, N, rows // per_block, per_block, cols // per_block, per_block)
+        return p.sum(axis=(3, 5))  # [B, N, chunk / bs, Sb_pad]
+
+    q_chunks = jnp.moveaxis(q.reshape(B, num_chunks, chunk, N, H), 1, 0)
+    sums = jax.lax.map(chunk_sums, (q_chunks, jnp.arange(num_chunks, dtype=jnp.int32)))
+    sums = jnp.moveaxis(sums, 0, 2).reshape(B, N, num_chunks * (chunk // block_size), -1)
+    sums = sums[:, :, :Tb, :Sb]
+
+    diagonal = diagonal_blocks(Tb, q_len, kv_len, block_size)
+    mask = find_blocks(sums, diagonal, threshold)
+    r = jnp.arange(Tb, dtype=jnp.int32)[:, None]
+    j = jnp.arange(Sb, dtype=jnp.int32)
+    in_range = ((r < _cdiv(q_len, block_size)[:, None, None])
+                & (j < _cdiv(kv_len, block_size)[:, None, None]))
+    return sums, mask & in_range[:, None]
