@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from attn.dense import reference as dense_reference
 from attn.merge import reference as merge_reference
+from kv import fp8
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # an oracle must not run its float32 matmuls in TF32
 
@@ -154,11 +155,10 @@ def gather_latent(
     _, p, lr = latent_pages.shape
     b, max_pages = block_tables.shape
     table = jnp.where(block_tables < 0, 0, block_tables)  # -1 must never reach the gather
-    latent = latent_pages[table].astype(jnp.float32)  # [B, max_pages, P, L + R]
-    if latent_scales is not None:
-        sub_block = p // latent_scales.shape[-1]
-        scales = jnp.repeat(latent_scales[table].astype(jnp.float32), sub_block, axis=-1)
-        latent = latent * scales[..., None]  # [B, max_pages, P, 1] per-token scale
+    if latent_scales is None:
+        latent = latent_pages[table].astype(jnp.float32)  # [B, max_pages, P, L + R]
+    else:  # token t of a page uses scale t // sub_block
+        latent = fp8.dequantize(latent_pages[table], latent_scales[table], jnp.float32, axis=-2)
     return latent.reshape(b, max_pages * p, lr)
 
 

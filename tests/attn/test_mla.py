@@ -21,6 +21,7 @@ from attn.mla import (
     mla_paged_decode_partials,
     split_kv_b,
 )
+from kv import fp8
 from tests.utils import AttentionTestBase, assert_close, case_id, rng
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
@@ -168,12 +169,9 @@ def _paged(gen, latent, lengths, page_size, layout, num_pages):
 
 
 def _quantize(pages, sub_block):
-    """The conventions' fp8 quantiser over the token axis: one scale per (page, sub-block)."""
-    num_pages, p, lr = pages.shape
-    x = pages.astype(np.float32).reshape(num_pages, p // sub_block, sub_block * lr)
-    scales = np.maximum(np.max(np.abs(np.nan_to_num(x)), -1), np.finfo(np.float32).tiny) / 448
-    q = np.clip(x / scales[..., None], -448, 448).astype(FP8).reshape(num_pages, p, lr)
-    return q, scales.astype(np.float32)
+    """`kv.fp8.quantize` over the token axis: one scale per (page, sub-block), as numpy."""
+    q, scales = fp8.quantize(jnp.asarray(pages), sub_block, axis=-2)
+    return np.array(q), np.array(scales)
 
 
 @functools.partial(jax.jit, static_argnames=("l", "scale", "num_splits"))
@@ -253,9 +251,8 @@ def test_fp8_latent_equals_dequantised_copy():
     latent = _randn(gen, (b, max_pages * p, l + r), scale=3.0)
     lengths = np.array([17, 0, 5], np.int32)
     pages, table, owned = _paged(gen, latent, lengths, p, "random", num_pages=12)
-    q8, scales = _quantize(pages, sub_block)
-    scales[~owned] = np.nan  # unowned pages are NaN, and so are their scales
-    assert np.isnan(q8[~owned].astype(np.float32)).all()
+    q8, scales = _quantize(np.where(owned[:, None, None], pages, 0), sub_block)
+    q8[~owned], scales[~owned] = np.nan, np.nan  # unowned pages and their scales: NaN
     deq = np.repeat(scales, sub_block, axis=1)[..., None] * q8.astype(np.float32)
     q_lat, q_pe = _randn(gen, (b, n, l)), _randn(gen, (b, n, r))
     kw = dict(kv_lora_rank=l, scale=0.1, num_splits=3)
