@@ -1,4 +1,4 @@
-"""Public dense attention: validation once, then the chosen backend (only `xla` for now).
+"""Public dense attention: validation once, then the backend (XLA, or the Triton flash kernel).
 
 Semantics (conventions shared by every variant):
 
@@ -30,7 +30,8 @@ from attn._harness import resolve_implementation
 from attn.dense import reference
 
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
-_SUPPORTED = ("xla",)  # no dense Triton kernel yet: "triton" raises NotImplementedError
+_SUPPORTED = ("xla",)  # masked / varlen attention: no Triton kernel yet
+_ATTENTION_SUPPORTED = ("triton", "xla")  # `attention`: the flash kernel (attn/dense/triton.py)
 
 # jit once here so eager callers (notebooks, tests) do not dispatch op by op; inside a caller's jit
 # these are inlined. The wrappers below pass every optional mask argument as an array (an absent
@@ -177,7 +178,8 @@ def attention(
       q_segment_ids: `[B, T]` integer segment ids (packed sequences); needs `kv_segment_ids`.
       kv_segment_ids: `[B, S]` integer segment ids.
       kv_lengths: `[B]` integer; keys `s >= kv_lengths[b]` are invisible.
-      implementation: `"xla"` or `"auto"` (`"triton"` is not available yet).
+      implementation: `"xla"`, `"triton"` (the flash kernel, `attn/dense/triton.py`) or `"auto"`
+        (the kernel on a GPU, XLA where the kernel refuses the options, e.g. segment ids).
 
     Returns:
       `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`; rows with no visible key give
@@ -188,7 +190,8 @@ def attention(
         without `causal`, negative sinks or offset, one segment-id array without the other.
       TypeError: non-float or mixed q/k/v dtypes, non-integer offsets / windows / sinks / ids /
         lengths, a non-numeric scale.
-      NotImplementedError: `implementation="triton"`.
+      NotImplementedError: `implementation="triton"` with options the kernel does not support
+        (segment ids).
     """
     _checks.check_rank("q", q, 4, "B T N H")
     _checks.check_rank("k", k, 4, "B S K H")
@@ -202,7 +205,18 @@ def attention(
         batch, q_len, kv_len, num_kv_heads, causal=causal, q_offset=q_offset, window=window,
         sinks=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         kv_lengths=kv_lengths)
-    resolve_implementation(implementation, supported=_SUPPORTED)
+    impl = resolve_implementation(implementation, supported=_ATTENTION_SUPPORTED)
+    if impl == "triton":
+        from attn.dense import triton as kernel
+
+        try:  # refuses unsupported options before launching anything
+            return kernel.attention(
+                q, k, v, causal=args["causal"], scale=scale, q_offset=args["q_offset"],
+                window=args["window"], sinks=args["sinks"], q_segment_ids=q_segment_ids,
+                kv_segment_ids=kv_segment_ids, kv_lengths=args["kv_lengths"])
+        except NotImplementedError:
+            if implementation == "triton":
+                raise
     return _attention(q, k, v, scale=scale, **args)
 
 

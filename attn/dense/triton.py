@@ -1,0 +1,342 @@
+"""Triton flash prefill: FlashAttention-2 forward with GQA folding, causal offsets, window + sinks.
+
+One program owns `BLOCK_M` rows of one KV head of one batch row, where a row is a (query token,
+query head of that KV head's group) pair: the `G` query heads of a KV head are folded into the M
+dimension (row `r` is token `r // G`, head `kh * G + r % G`), so every K/V tile is loaded once for
+the whole group and the tensor cores see full tiles for any group size. The program walks its key
+tiles with an online softmax in base 2 (the scale folded into one multiply), fp32 accumulators.
+
+Key tiles visited by a program whose rows sit at positions `[q_lo, q_hi]` (causal: `q_offset + t`):
+the sink tiles `[0, sinks)`, then `[q_lo - window + 1, min(q_hi + 1, kv_len))`. Only the tiles that
+some row sees only partly run with a mask (window edge, causal diagonal, key-length tail, sinks);
+the tiles every row sees whole run without one. A 4K window at 64K keys thus costs ~4K keys of work
+per row, and causal prefill stops at the diagonal.
+
+Supports: causal and non-causal, `q_offset` `[B]` (chunked prefill over a cached prefix), window
+and sinks per KV head (`window <= 0`: full), `kv_lengths`, any group size, `H` / `Hv` up to 256
+(padded to a power of two and masked), bf16 / f16 (f32 with IEEE dots, for tests).
+A row with no visible key gives output 0 and lse -inf.
+Not supported (NotImplementedError, so `implementation="auto"` falls back to XLA): segment ids
+(packed varlen), a scale <= 0, shapes whose per-batch element offsets overflow int32.
+Gradients: `jax.custom_vjp` whose backward is the XLA reference's VJP (recomputed; it materialises
+the `[B, K, G, T, S]` scores, so it is for short sequences only until a Triton backward exists).
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from attn._harness import triton_call
+from attn.dense import reference
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+_INT32_MAX = 2**31 - 1
+_MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """Launch configuration: rows per program, keys per tile, warps, pipeline stages."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{self.num_warps=} must be one of 1, 2, 4, 8, 16")
+        if self.num_stages < 1:
+            raise ValueError(f"{self.num_stages=} must be >= 1")
+
+
+def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
+    """Tiles for Hopper bf16: 128 rows x 64 keys, 8 warps (two warpgroups of 64 rows), 3 stages;
+    wide heads (> 128) drop to 2 stages so K/V stages fit in shared memory. Untuned until the
+    `bench_prefill --sweep` numbers are in (benchmarks/NOTES.md)."""
+    width = max(head_dim, value_head_dim or head_dim)
+    if width > 128:
+        return Config(block_m=128, block_n=32, num_warps=8, num_stages=2)
+    return Config()
+
+
+@triton.jit
+def _visit(
+    acc,  # [BLOCK_M, BLOCK_HV] f32
+    l,  # [BLOCK_M] f32 running sum of 2^(s - m)
+    m,  # [BLOCK_M] f32 running max (base-2 scaled scores)
+    q,  # [BLOCK_M, BLOCK_H]
+    k_base,  # -> k[b, 0, kh, 0]
+    v_base,  # -> v[b, 0, kh, 0]
+    pos,  # [BLOCK_M] int32 absolute query positions
+    lo,  # first key of the range (multiple of BLOCK_N)
+    hi,  # end of the range (multiple of BLOCK_N)
+    kv_len,  # keys >= kv_len are invisible (and never read)
+    win,  # window, or a huge number for "no window"
+    sinks,
+    SCALE_LOG2: tl.constexpr,
+    K: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_hv = tl.arange(0, BLOCK_HV)
+    mask_h = offs_h < H
+    mask_hv = offs_hv < HV
+    for start in range(lo, hi, BLOCK_N):
+        start = tl.multiple_of(start, BLOCK_N)
+        cols = start + offs_n  # [BLOCK_N] key positions
+        k_ptrs = k_base + cols[:, None] * (K * H) + offs_h[None, :]  # [BLOCK_N, BLOCK_H]
+        v_ptrs = v_base + cols[:, None] * (K * HV) + offs_hv[None, :]  # [BLOCK_N, BLOCK_HV]
+        if MASKED:
+            in_kv = cols < kv_len
+            k = tl.load(k_ptrs, mask=in_kv[:, None] & mask_h[None, :], other=0.0)
+        elif BLOCK_H == H:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=mask_h[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
+        if MASKED:
+            c = cols[None, :]
+            p_ = pos[:, None]
+            visible = in_kv[None, :] & ((c > p_ - win) | (c < sinks))  # [BLOCK_M, BLOCK_N]
+            if CAUSAL:
+                visible = visible & (c <= p_)
+            s = tl.where(visible, qk * SCALE_LOG2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m - m_use)
+            v = tl.load(v_ptrs, mask=in_kv[:, None] & mask_hv[None, :], other=0.0)
+        else:
+            # Every row sees the whole tile: no mask, and the scale folds into one FMA.
+            m_new = tl.maximum(m, tl.max(qk, 1) * SCALE_LOG2)
+            p = tl.exp2(qk * SCALE_LOG2 - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            if BLOCK_HV == HV:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=mask_hv[None, :], other=0.0)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m = m_new
+    return acc, l, m
+
+
+@triton.jit
+def _flash_fwd_kernel(
+    q_ptr,  # [B, T, N, H]
+    k_ptr,  # [B, S, K, H]
+    v_ptr,  # [B, S, K, HV]
+    offset_ptr,  # [B] int32
+    len_ptr,  # [B] int32
+    window_ptr,  # [K] int32, <= 0: full
+    sink_ptr,  # [K] int32
+    o_ptr,  # [B, T, N, HV]
+    lse_ptr,  # [B, T, N] f32
+    SCALE_LOG2: tl.constexpr,
+    B: tl.constexpr,
+    T: tl.constexpr,
+    S: tl.constexpr,
+    K: tl.constexpr,
+    G: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NUM_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Heads vary fastest (programs in flight share K/V in L2); the last query tiles, which see
+    # the most keys under a causal mask, start first so the short ones fill the tail.
+    pid = tl.program_id(0)
+    kh = pid % K
+    b = (pid // K) % B
+    mt = NUM_M - 1 - pid // (K * B)
+    N: tl.constexpr = K * G
+
+    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] folded (token, group head) rows
+    row_ok = rows < T * G
+    tok = rows // G
+    head = kh * G + rows % G
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_hv = tl.arange(0, BLOCK_HV)
+
+    q_off = tl.load(offset_ptr + b)
+    kv_len = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), S)
+    pos = q_off + tok  # [BLOCK_M]
+    q_lo = q_off + (mt * BLOCK_M) // G
+    q_hi = q_off + tl.minimum((mt * BLOCK_M + BLOCK_M - 1) // G, T - 1)
+
+    window = tl.load(window_ptr + kh)
+    sinks = tl.maximum(tl.load(sink_ptr + kh), 0)
+    if CAUSAL:
+        kv_end = tl.maximum(tl.minimum(q_hi + 1, kv_len), 0)
+        full_hi = tl.maximum(tl.minimum(q_lo + 1, kv_len), 0) // BLOCK_N * BLOCK_N
+    else:
+        kv_end = kv_len
+        full_hi = kv_len // BLOCK_N * BLOCK_N
+    end = tl.cdiv(kv_end, BLOCK_N) * BLOCK_N
+    has_win = window > 0  # the wrapper gives non-causal calls no window
+    win = tl.where(has_win, window, 1 << 30)  # no window: every key is inside it
+    sink_end = tl.where(has_win, tl.cdiv(tl.minimum(sinks, kv_end), BLOCK_N) * BLOCK_N, 0)
+    win_lo = tl.where(has_win, tl.maximum(q_lo - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
+    main_lo = tl.minimum(tl.maximum(win_lo, sink_end), end)
+    full_lo = tl.where(has_win, tl.cdiv(tl.maximum(q_hi - window + 1, 0), BLOCK_N) * BLOCK_N, 0)
+    full_lo = tl.minimum(tl.maximum(full_lo, main_lo), end)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
+
+    q_rows = b.to(tl.int64) * (T * N) + tok * N + head  # [BLOCK_M] rows of [B * T * N]
+    q = tl.load(  # [BLOCK_M, BLOCK_H]
+        q_ptr + q_rows[:, None] * H + offs_h[None, :],
+        mask=row_ok[:, None] & (offs_h < H)[None, :],
+        other=0.0,
+    )
+    k_base = k_ptr + b.to(tl.int64) * (S * K * H) + kh * H
+    v_base = v_ptr + b.to(tl.int64) * (S * K * HV) + kh * HV
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
+    # Sink tiles, the window's lower edge, the tiles every row sees whole, the causal diagonal.
+    acc, l, m = _visit(acc, l, m, q, k_base, v_base, pos, 0, sink_end, kv_len, win, sinks,
+                       SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+    acc, l, m = _visit(acc, l, m, q, k_base, v_base, pos, main_lo, full_lo, kv_len, win, sinks,
+                       SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+    acc, l, m = _visit(acc, l, m, q, k_base, v_base, pos, full_lo, full_hi, kv_len, win, sinks,
+                       SCALE_LOG2, K, H, HV, CAUSAL, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+    acc, l, m = _visit(acc, l, m, q, k_base, v_base, pos, full_hi, end, kv_len, win, sinks,
+                       SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+
+    empty = l == 0.0
+    safe_l = tl.where(empty, 1.0, l)
+    out = acc / safe_l[:, None]
+    lse = tl.where(empty, float("-inf"), (m + tl.log2(safe_l)) * 0.6931471805599453)
+    tl.store(o_ptr + q_rows[:, None] * HV + offs_hv[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_hv < HV)[None, :])
+    tl.store(lse_ptr + q_rows, lse, mask=row_ok)
+
+
+def _forward(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, config):
+    """Launch the kernel; all integer arguments are int32 arrays (`[B]`, `[K]`, `[K]`, `[B]`)."""
+    b, t, n, h = q.shape
+    s, kh, hv = k.shape[1], k.shape[2], v.shape[-1]
+    g = n // kh
+    num_m = triton.cdiv(t * g, config.block_m)
+    precision = "ieee" if q.dtype == jnp.float32 else "tf32"
+    return triton_call(
+        q, k, v, q_offset, kv_lengths, window, sinks,
+        kernel=_flash_fwd_kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((b, t, n, hv), q.dtype),
+            jax.ShapeDtypeStruct((b, t, n), jnp.float32),
+        ),
+        grid=(num_m * b * kh,),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        SCALE_LOG2=float(scale) * LOG2E,
+        B=b, T=t, S=s, K=kh, G=g, H=h, HV=hv,
+        CAUSAL=bool(causal),
+        NUM_M=num_m,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_H=max(16, triton.next_power_of_2(h)),
+        BLOCK_HV=max(16, triton.next_power_of_2(hv)),
+        PRECISION=precision,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash(q, k, v, q_offset, window, sinks, kv_lengths, causal, scale, config):
+    return _forward(q, k, v, q_offset, window, sinks, kv_lengths, causal=causal, scale=scale,
+                    config=config)
+
+
+def _flash_fwd(q, k, v, q_offset, window, sinks, kv_lengths, causal, scale, config):
+    out = _forward(q, k, v, q_offset, window, sinks, kv_lengths, causal=causal, scale=scale,
+                   config=config)
+    return out, (q, k, v, q_offset, window, sinks, kv_lengths)
+
+
+def _flash_bwd(causal, scale, config, res, cotangents):
+    q, k, v, q_offset, window, sinks, kv_lengths = res
+
+    def ref(q, k, v):
+        return reference.attention(q, k, v, causal=causal, scale=scale, q_offset=q_offset,
+                                   window=window, sinks=sinks, kv_lengths=kv_lengths)
+
+    _, vjp = jax.vjp(ref, q, k, v)
+    dq, dk, dv = vjp(cotangents)
+    return dq, dk, dv, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "config"))
+def _attention(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, config):
+    b, kh = q.shape[0], k.shape[2]
+    q_offset = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (b,))
+    window = jnp.broadcast_to(jnp.asarray(window, jnp.int32), (kh,))
+    sinks = jnp.broadcast_to(jnp.asarray(sinks, jnp.int32), (kh,))
+    kv_lengths = jnp.broadcast_to(jnp.asarray(kv_lengths, jnp.int32), (b,))
+    return _flash(q, k, v, q_offset, window, sinks, kv_lengths, causal, scale, config)
+
+
+def attention(q, k, v, *, causal=True, scale=None, q_offset=0, window=None, sinks=0,
+              q_segment_ids=None, kv_segment_ids=None, kv_lengths=None,
+              config: Config | None = None):
+    """Dense attention through the flash kernel; arguments as `attn.dense.attention` (validated
+    there), plus `config` (default: `default_config`).
+
+    Returns:
+      `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`.
+
+    Raises:
+      NotImplementedError: segment ids, `scale <= 0`, head dims over 256, or per-batch offsets
+        beyond int32 (the caller falls back to XLA).
+    """
+    if q_segment_ids is not None or kv_segment_ids is not None:
+        raise NotImplementedError("segment ids (packed varlen) are not supported by the Triton "
+                                  "dense kernel yet; use implementation='xla'")
+    h, hv = q.shape[-1], v.shape[-1]
+    if scale is None:
+        scale = h**-0.5
+    scale = float(scale)
+    if not scale > 0:
+        raise NotImplementedError(f"{scale=}: the Triton dense kernel needs a positive scale")
+    if max(h, hv) > _MAX_HEAD_DIM:
+        raise NotImplementedError(f"head dims H={h}, Hv={hv} over {_MAX_HEAD_DIM} are not "
+                                  f"supported by the Triton dense kernel")
+    (_, t, n, _), (_, s, kh, _) = q.shape, k.shape
+    if max(t * n, s * kh) * max(h, hv) > _INT32_MAX:
+        raise NotImplementedError(f"q {q.shape} / k {k.shape}: per-batch offsets overflow int32")
+    if config is None:
+        config = default_config(h, hv)
+    if window is None or not causal:
+        window = 0
+    if kv_lengths is None:
+        kv_lengths = s
+    return _attention(q, k, v, q_offset, window, sinks, kv_lengths, causal=bool(causal),
+                      scale=scale, config=config)

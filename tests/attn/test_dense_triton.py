@@ -1,0 +1,206 @@
+"""The Triton flash prefill kernel against the dense reference: interpreted on CPU, compiled on GPU.
+
+The interpreter runs one numpy op per kernel op, so CPU cases are tiny and use 64-row x 32-key tiles
+(several query tiles, sink / window-edge / full / diagonal key tiles all visited); one case uses
+16 x 16 tiles and one the default 128 x 64. The expected values come from the public API with
+`implementation="xla"`, which compiles once per shape for every option set. Keys past `kv_lengths`
+are NaN-poisoned wherever lengths are given.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attn
+from attn.dense import attention
+from attn.dense import triton as kernel
+from tests.utils import AttentionTestBase, assert_close, case_id, poison, randn, rng
+
+SMALL = kernel.Config(block_m=64, block_n=32)
+B, T, S, K, G, H, HV = 2, 37, 130, 2, 5, 32, 24  # the shared CPU shape: 3 query tiles per head
+
+
+def _qkv(gen, b=B, t=T, s=S, kh=K, g=G, h=H, hv=HV, dtype=jnp.float32):
+    return (randn(gen, (b, t, kh * g, h), dtype), randn(gen, (b, s, kh, h), dtype),
+            randn(gen, (b, s, kh, hv), dtype))
+
+
+def _poison_tail(k, v, kv_lengths):
+    """NaN in every key / value at or past its row's length: must never reach an output."""
+    if kv_lengths is None:
+        return k, v
+    keep = jnp.arange(k.shape[1])[None, :] < jnp.asarray(kv_lengths)[:, None]  # [B, S]
+    return poison(k, keep), poison(v, keep)
+
+
+def _check(q, k, v, *, config, dtype=None, **options):
+    """Kernel vs reference (on the clean K / V); masked rows exactly 0 / -inf; returns outputs."""
+    kp, vp = _poison_tail(k, v, options.get("kv_lengths"))
+    out, lse = kernel.attention(q, kp, vp, config=config, **options)
+    exp_out, exp_lse = attention(q, k, v, implementation="xla", **options)
+    tol = {} if dtype is not None else dict(atol=2e-5, rtol=2e-5)
+    assert_close(out, exp_out, dtype=dtype, err_msg="out", **tol)
+    assert_close(lse, exp_lse, dtype=dtype, allow_neg_inf=True, err_msg="lse")
+    sees = np.isfinite(np.asarray(exp_lse))  # [B, T, N]: the reference's rows with a key
+    AttentionTestBase.check_masked_rows(out, lse, sees)
+    return out, lse, sees
+
+
+OPTIONS = {
+    "causal-chunk-offset93": dict(q_offset=93),
+    "causal-offsets-per-row": dict(q_offset=np.array([0, 50], np.int32)),
+    "noncausal-scale": dict(causal=False, scale=0.37),
+    "window-sinks-per-head": dict(q_offset=93, window=np.array([16, 0], np.int32),
+                                  sinks=np.array([3, 5], np.int32)),
+    "window-long-sink": dict(q_offset=np.array([93, 10], np.int32), window=9, sinks=40),
+    "lengths-masked-rows": dict(q_offset=93, window=np.array([8, 8], np.int32),
+                                sinks=np.array([2, 0], np.int32),
+                                kv_lengths=np.array([100, 0], np.int32)),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_options_match_reference(name):
+    q, k, v = _qkv(rng())
+    _, _, sees = _check(q, k, v, config=SMALL, **OPTIONS[name])
+    if name == "lengths-masked-rows":  # row 1 sees nothing; row 0 head 1 loses late queries
+        assert not sees[1].any() and not sees[0, -1, G:].any() and sees[0, 0].all()
+
+
+EDGES = [  # (shape, options, config)
+    (dict(b=1, t=1, s=1, kh=1, g=1, h=16, hv=16), {}, SMALL),
+    (dict(b=2, t=1, s=65, kh=1, g=4, h=16, hv=16), dict(q_offset=64), SMALL),
+    (dict(b=1, t=65, s=65, kh=2, g=1, h=16, hv=16),
+     dict(window=np.array([20, 0], np.int32), sinks=np.array([7, 0], np.int32)),
+     kernel.Config(block_m=16, block_n=16)),
+    (dict(b=1, t=33, s=70, kh=1, g=7, h=24, hv=40), dict(q_offset=np.array([37], np.int32)),
+     SMALL),
+    (dict(b=1, t=20, s=47, kh=2, g=2, h=16, hv=16),
+     dict(causal=False, kv_lengths=np.array([31], np.int32)), SMALL),
+]
+
+
+@pytest.mark.parametrize("shape,options,config", EDGES, ids=[
+    case_id(T=c[0]["t"], S=c[0]["s"], G=c[0]["g"], H=c[0]["h"], Hv=c[0]["hv"],
+            M=c[2].block_m, N=c[2].block_n) for c in EDGES])
+def test_edge_shapes_match_reference(shape, options, config):
+    q, k, v = _qkv(rng(), **shape)
+    _check(q, k, v, config=config, **options)
+
+
+def test_bf16_default_config():
+    q, k, v = _qkv(rng(), dtype=jnp.bfloat16)
+    _check(q, k, v, config=None, dtype=jnp.bfloat16, q_offset=np.array([93, 20], np.int32),
+           window=np.array([40, 0], np.int32), sinks=np.array([4, 0], np.int32))
+
+
+def test_public_api_dispatch_and_auto_fallback(monkeypatch):
+    q, k, v = _qkv(rng(), b=1, t=9, s=12, kh=1, g=3, h=16, hv=16)
+    out, lse = attention(q, k, v, q_offset=3, implementation="triton")
+    exp_out, exp_lse = attention(q, k, v, q_offset=3, implementation="xla")
+    assert_close(out, exp_out, atol=2e-5, rtol=2e-5)
+    assert_close(lse, exp_lse, allow_neg_inf=True)
+    seg = dict(q_segment_ids=np.zeros((1, 9), np.int32), kv_segment_ids=np.zeros((1, 12), np.int32))
+    with pytest.raises(NotImplementedError, match="segment ids"):
+        attention(q, k, v, implementation="triton", **seg)
+    # "auto" on a GPU picks the kernel; options it refuses fall back to XLA instead of raising.
+    monkeypatch.setattr(attn._harness, "on_gpu", lambda: True)
+    out, _ = attention(q, k, v, implementation="auto", **seg)
+    monkeypatch.undo()
+    assert_close(out, attention(q, k, v, implementation="xla", **seg)[0])
+
+
+def test_gradients_match_reference():
+    gen = rng()
+    q, k, v = _qkv(gen, b=1, t=9, s=12, kh=1, g=2, h=16, hv=16)
+    ct = randn(gen, (1, 9, 2, 16))
+    opts = dict(q_offset=3, window=4, sinks=1)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v)[0] * ct)
+
+    got = jax.grad(loss(lambda *a: kernel.attention(*a, config=SMALL, **opts)), (0, 1, 2))(q, k, v)
+    exp = jax.grad(loss(lambda *a: attention(*a, implementation="xla", **opts)), (0, 1, 2))(q, k, v)
+    for name, a, e in zip("qkv", got, exp):
+        assert_close(a, e, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
+
+
+def test_unsupported_and_config_validation():
+    q, k, v = _qkv(rng(), b=1, t=2, s=2, kh=1, g=1, h=16, hv=16)
+    with pytest.raises(NotImplementedError, match="positive scale"):
+        kernel.attention(q, k, v, scale=-0.5)
+    with pytest.raises(NotImplementedError, match="head dims"):
+        kernel.attention(jnp.zeros((1, 2, 1, 512)), jnp.zeros((1, 2, 1, 512)), v)
+    with pytest.raises(ValueError, match="block_m"):
+        kernel.Config(block_m=96)
+    with pytest.raises(ValueError, match="block_n"):
+        kernel.Config(block_n=8)
+    with pytest.raises(ValueError, match="num_warps"):
+        kernel.Config(num_warps=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        kernel.Config(num_stages=0)
+
+
+# GPU: realistic shapes, bf16 kernel vs the reference on float32-upcast inputs.
+
+GPU_CASES = {
+    "causal-B2-S2K": (dict(b=2, t=2048, s=2048, kh=8, g=4), dict()),
+    "window4K-sink64-S4K": (dict(b=1, t=4096, s=4096, kh=8, g=4),
+                            dict(window=1024, sinks=64)),
+    "chunk-offsets-lengths": (dict(b=2, t=1024, s=4096, kh=8, g=4),
+                              dict(q_offset=np.array([3072, 1500], np.int32),
+                                   kv_lengths=np.array([4096, 2300], np.int32))),
+    "per-head-window": (dict(b=1, t=2048, s=2048, kh=8, g=4),
+                        dict(window=np.array([256, 0, 1000, 64, 0, 2048, 128, 1], np.int32),
+                             sinks=np.array([128, 0, 4, 0, 0, 1, 200, 16], np.int32))),
+    "noncausal-S1K": (dict(b=1, t=1024, s=1536, kh=8, g=4), dict(causal=False)),
+    "G1-H64": (dict(b=1, t=2048, s=2048, kh=8, g=1, h=64, hv=64), dict()),
+    "G5-odd-lengths": (dict(b=2, t=1000, s=1999, kh=4, g=5), dict(q_offset=999)),
+    "G16-H96": (dict(b=1, t=1024, s=1024, kh=2, g=16, h=96, hv=96), dict()),
+}
+
+
+def _gpu_check(shape, options, config=None):
+    shape = dict(h=128, hv=128) | shape
+    q, k, v = _qkv(rng(), dtype=jnp.bfloat16, **shape)
+    kp, vp = _poison_tail(k, v, options.get("kv_lengths"))
+    run = jax.jit(lambda q, k, v: kernel.attention(q, k, v, config=config, **options))
+    out, lse = run(q, kp, vp)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    exp_out, exp_lse = attention(*f32, implementation="xla", **options)
+    assert_close(out, exp_out, dtype=jnp.bfloat16, err_msg="out")
+    assert_close(lse, exp_lse, atol=1e-2, rtol=1e-3, allow_neg_inf=True, err_msg="lse")
+    err = float(jnp.linalg.norm(out.astype(jnp.float32) - exp_out) / jnp.linalg.norm(exp_out))
+    assert err < 1e-2, f"relative error {err:.2e}"
+    return run, (q, kp, vp), out, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_matches_reference(name):
+    _gpu_check(*GPU_CASES[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", ["128-64-4-3", "128-64-8-3", "128-128-8-2", "128-128-8-3",
+                                 "64-64-4-3", "64-128-4-2", "128-32-4-4"])
+def test_gpu_sweep_configs_are_correct(cfg):
+    bm, bn, warps, stages = (int(x) for x in cfg.split("-"))
+    config = kernel.Config(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+    _gpu_check(dict(b=1, t=1536, s=2048, kh=8, g=4),
+               dict(q_offset=512, window=700, sinks=100), config)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_batch_rows_and_auto():
+    run, (q, k, v), out, lse = _gpu_check(*GPU_CASES["chunk-offsets-lengths"])
+    again, lse_again = run(q, k, v)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(lse_again), np.asarray(lse))
+    opts = GPU_CASES["chunk-offsets-lengths"][1]
+    one, _ = kernel.attention(q[1:], k[1:], v[1:], q_offset=opts["q_offset"][1:],
+                              kv_lengths=opts["kv_lengths"][1:])
+    np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(out[1]))
+    auto, _ = attention(q, k, v, implementation="auto", **opts)
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(out))
