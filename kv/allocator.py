@@ -16,11 +16,13 @@ Besides the stacks the allocator keeps `owned [K, num_pages]`: whether a page is
 costs one byte per page and makes a double free or an aliased page detectable on the device.
 
 Sliding window / streaming release (`recycle`) uses the conventions' window: a query at position
-`q` sees key `s` iff `q - window < s <= q` or `s < sinks`. A row with `L` tokens in its cache still
-runs queries at positions `>= L - 1` (the newest token may not have attended yet), so logical page
-`j` can be released iff it holds no sink (`j >= ceil(sinks / P)`) and its last token is out of the
-window of query `L - 1`: `(j + 1) * P <= L - window`. Only whole pages are released; the page the
-window starts in, and every later one, stays.
+`q` sees key `s` iff `q - window < s <= q` or `s < sinks`. `recycle` assumes that every query
+below position `L - 1` of a row with `L` cached tokens has run (call it after the step's
+attention; for a decode step also between the write and the attention, since its one query sits
+at `L - 1`). Logical page `j` can then be released iff it holds no sink (`j >= ceil(sinks / P)`)
+and its last token is out of the window of query `L - 1`: `(j + 1) * P <= L - window`. Only whole
+pages are released; the page the window starts in, and every later one, stays. (The seed gates
+the release on `L % P == 0`; we do not need to: the tail page is never among the released.)
 
 Sharding: every array has the KV head axis (`free_stack`, `free_count`, `owned` on axis 0; block
 tables on axis 1), so an allocator shards by KV head with its pool (see `kv/sharding.py`); the only
@@ -232,8 +234,9 @@ def _release(allocator: PageAllocator, table: Array, mask: Array):
     kk = jnp.arange(num_kv, dtype=jnp.int32)[None, :, None]
     in_range = (table >= 1) & (table < num_pages)
     idx = jnp.where(mask & in_range, table, num_pages)  # -1 and garbage never index
-    times = jnp.zeros((num_kv, num_pages), jnp.int32).at[kk, idx].add(1, mode="drop")
-    ok = jnp.all(~mask | in_range) & jnp.all(times <= allocator.owned.astype(jnp.int32))
+    # Owned count after the release: -1 somewhere means a page not owned or listed twice.
+    left = allocator.owned.astype(jnp.int32).at[kk, idx].add(-1, mode="drop")
+    ok = jnp.all(~mask | in_range) & jnp.all(left >= 0)
 
     # Push order: row-major over (b, j) within each head. A stable sort moves the released
     # entries to the front in that order (a cumsum would lower to an O(n^2) reduce_window on CPU).
@@ -249,7 +252,7 @@ def _release(allocator: PageAllocator, table: Array, mask: Array):
     new = allocator.replace(
         free_stack=stack,
         free_count=allocator.free_count + count,
-        owned=allocator.owned.at[kk, idx].set(False, mode="drop"))
+        owned=left > 0)
     return new, ok
 
 
@@ -330,8 +333,9 @@ def recycle(
     head's stack and their entries become -1; the cursor moves to `hi` (it never moves back, so a
     second call at the same length releases nothing). Sink pages `[0, ceil(sinks / P))` and every
     page from the one holding position `lengths - window` on stay. Heads with `window <= 0` (full)
-    are untouched. Call it after the step's write (any time the row's length is `lengths`); rows
-    of length 0 release nothing.
+    are untouched. Call it once the attention of every query below position `lengths - 1` has
+    run, i.e. after the step (a chunked prefill must not recycle between its write and its
+    attention); rows of length 0 release nothing.
 
     Args:
       allocator: the per-head free stacks.

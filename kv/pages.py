@@ -331,9 +331,17 @@ def gather_kv(
 
     Returns:
       `(k [B, S, K, H], v [B, S, K, Hv])`.
+
+    Raises:
+      TypeError: wrong pytree types or a non-float `dtype`.
+      ValueError: tables inconsistent with the pool.
     """
     _check_pool_tables(pool, tables)
-    dtype = jnp.dtype(jnp.float32 if pool.is_fp8 and dtype is None else dtype or pool.k.dtype)
+    if dtype is None:
+        dtype = jnp.float32 if pool.is_fp8 else pool.k.dtype
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{dtype=} must be a floating dtype")
     batch, num_kv, max_pages = tables.table.shape
     page, _ = _safe_page(tables.table, jnp.bool_(True), pool.num_pages, NULL_PAGE)
     kk = jnp.arange(num_kv, dtype=jnp.int32)[None, :, None]

@@ -194,15 +194,33 @@ def free_slots(
 
 
 def read_slots(
-    pool: SlotPool, slots: Int[Array, "B"]  # noqa: F821
+    pool: SlotPool,
+    slots: Int[Array, "B"],  # noqa: F821
+    has_initial_state: Bool[Array, "B"] | None = None,  # noqa: F821
 ) -> tuple[Float[Array, "B conv_dim Wm1"], Float[Array, "B Nv H Hv"]]:
-    """Gather each row's state; slot 0 (padding) and out-of-range ids read exact zeros."""
+    """Gather each row's state; slot 0 (padding) and out-of-range ids read exact zeros.
+
+    Args:
+      pool: the layer's slot pool.
+      slots: `[B]` int slot ids (0 = padding).
+      has_initial_state: optional `[B]` bool; rows with False read zeros whatever their slot
+        holds (a first prefill chunk; defence in depth on top of the zeroing in `alloc_slots`).
+
+    Returns:
+      `(conv [B, conv_dim, W - 1], ssm [B, Nv, H, Hv])`; zeros are selected, not multiplied in,
+      so NaN in a slot never leaks into a row that does not own it.
+    """
     if not isinstance(pool, SlotPool):
         raise TypeError(f"pool must be a SlotPool; got {type(pool).__name__}")
     slots = jnp.asarray(slots)
     v_.check_integer("slots", slots)
     v_.check_rank("slots", slots, 1, "B")
     idx, ok = _safe_slots(slots.astype(jnp.int32), pool.num_slots, NULL_SLOT)
+    if has_initial_state is not None:
+        has_initial_state = jnp.asarray(has_initial_state)
+        v_.check_bool("has_initial_state", has_initial_state)
+        v_.check_shape("has_initial_state", has_initial_state, slots.shape, "B")
+        ok = ok & has_initial_state
 
     def take(x):
         return jnp.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)), x[idx], jnp.zeros((), x.dtype))

@@ -17,9 +17,15 @@ DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 
 # Jit every op once; the tests keep their own arithmetic in numpy (eager jnp ops would each
 # compile for every new shape, which dominates CPU time at these sizes).
-_grow = jax.jit(lambda a, t, lengths: kv.alloc_batch(a, t, kv.pages_needed(t, lengths)))
-_alloc = jax.jit(kv.alloc)
-_free = jax.jit(kv.free)
+NO_EXTRA = np.zeros((B, K), np.int32)
+
+
+@jax.jit
+def _grow(a, t, lengths, extra=NO_EXTRA):
+    """Allocate what `lengths` needs, plus `extra` pages per row and head."""
+    return kv.alloc_batch(a, t, kv.pages_needed(t, lengths) + extra)
+
+
 _write = jax.jit(kv.write_kv)
 _gather = jax.jit(kv.gather_kv)
 
@@ -52,13 +58,12 @@ def _bits(x) -> np.ndarray:
 
 
 def _desynced_state():
-    """Allocator and tables in which the three heads' stacks are in different orders."""
+    """Rows 0 and 1 already hold [2, 1, 3] and [1, 3, 2] pages per head, so one logical page has
+    a different physical id in every head (row 1 holds pages ahead of its first token)."""
     a = kv.create_allocator(num_kv_heads=K, num_pages=NUM_PAGES)
     t = kv.create_block_tables(batch_size=B, num_kv_heads=K, max_pages=M, page_size=P)
-    a, t, ok = _alloc(a, t, 1, np.array([1, 3, 2], np.int32))
-    a, t, ok2 = _alloc(a, t, 0, np.array([2, 1, 3], np.int32))
-    a, t, ok3 = _free(a, t, 1)
-    assert bool(ok & ok2 & ok3)
+    a, t, ok = _grow(a, t, np.zeros(B, np.int32), np.array([[2, 1, 3], [1, 3, 2], [0, 0, 0]]))
+    assert bool(ok)
     return a, t
 
 
@@ -152,9 +157,9 @@ def test_unallocated_and_out_of_table_writes_are_dropped(name):
     table = np.asarray(t.table)
     pool = _poison_all(_pool(DTYPES[name]))
     k_new, v_new = _randn(gen, (B, T, K, H)), _randn(gen, (B, T, K, HV))
-    # Row 0: positions 8..15 only, head 1 of those is -1; row 1: nothing allocated;
-    # row 2: positions 36..55, beyond the table from 40 on and unallocated before.
-    offsets, num_new = np.array([8, 0, 36], np.int32), np.array([8, 5, 20], np.int32)
+    # Row 0: positions 8..15 only, head 1 of those is -1; row 1: positions 24..28, logical page
+    # 3, allocated in no head; row 2: 36..55, unallocated, then beyond the table from 40 on.
+    offsets, num_new = np.array([8, 24, 36], np.int32), np.array([8, 5, 20], np.int32)
     out = _write(pool, t, k_new, v_new, offsets, num_new)
     changed = [(_bits(x) != _bits(y)).reshape(K, NUM_PAGES, -1).any(-1)
                for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(pool))]
@@ -173,13 +178,13 @@ def test_accounting():
     bf16, fp8 = _pool(jnp.bfloat16), _pool(jnp.float8_e4m3fn)
     assert kv.page_bytes(bf16) == P * (H + HV) * 2
     assert kv.page_bytes(fp8) == P * (H + HV) + 4 * 2 * (P // SUB)
-    a, t = _desynced_state()  # row 0 holds [2, 1, 3] pages
+    a, t = _desynced_state()  # rows hold [2, 1, 3] and [1, 3, 2] pages
     usage = kv.kv_usage([bf16, fp8], [a, a])
-    np.testing.assert_array_equal(usage["pages"], [[2, 1, 3], [2, 1, 3]])
-    np.testing.assert_array_equal(usage["bytes"][1], np.array([2, 1, 3]) * kv.page_bytes(fp8))
-    assert usage["total_bytes"] == 6 * (kv.page_bytes(bf16) + kv.page_bytes(fp8))
+    np.testing.assert_array_equal(usage["pages"], [[3, 4, 5], [3, 4, 5]])
+    np.testing.assert_array_equal(usage["bytes"][1], np.array([3, 4, 5]) * kv.page_bytes(fp8))
+    assert usage["total_bytes"] == 12 * (kv.page_bytes(bf16) + kv.page_bytes(fp8))
     np.testing.assert_array_equal(usage["capacity_pages"], [NUM_PAGES - 1] * 2)
-    np.testing.assert_array_equal(np.asarray(t.pages_per_row()), [[2, 1, 3], [0] * 3, [0] * 3])
+    np.testing.assert_array_equal(np.asarray(t.pages_per_row()), [[2, 1, 3], [1, 3, 2], [0] * 3])
 
 
 def test_shard_by_kv_head_on_one_device_mesh():
