@@ -5,7 +5,8 @@ keys, so every latent page row is read from HBM once per (sequence, block of hea
 all the heads of the block. Token s of row b is `latent[table[b, s // P], s % P] = [c_kv ‖ k_pe]`
 (`L + R` features). The score splits into a `c_kv` part over the first `L` features and a rope
 part over the last `R`, each padded to a power of two and masked, so no dimension is hard-coded;
-the value is the same `c_kv` tile, loaded once and used for both the score and the PV product.
+the value is the same `c_kv` tile, loaded once and used for both the score and the PV product
+(FP8 may load it a second time instead, `Config.reload_value`: see `default_config`).
 Keys are gathered token by token through the block table (a tile may span pages of any size `P`);
 a -1 entry reads the null page 0 and is masked. FP8 latent pages are dequantised in the kernel:
 the token's scale multiplies the score columns and the probabilities, so the tiles go to the
@@ -42,6 +43,9 @@ class Config:
     num_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    # Load the value tile (the first L features of the rows) a second time for the PV product
+    # instead of reusing the score's tile: each load then feeds one dot, in one operand layout.
+    reload_value: bool = False
     # FP8 tiles widen to this dtype for the tensor cores. e4m3 -> f16 is one conversion
     # instruction on Hopper; e4m3 -> bf16 is not.
     fp8_compute: str = "float16"
@@ -57,16 +61,49 @@ class Config:
             raise ValueError(f"{self.fp8_compute=} must be 'float16' or 'bfloat16'")
 
 
-def default_config(batch: int, num_heads: int, max_len: int, *, fp8: bool = False) -> Config:
-    """Tiles for the H100: 16 heads per program (32 and 64 measured no better at N16), token
-    tiles of 32 (a `[32, L + R]` bf16 tile is 36 KB at L512 + R64, so two stages fit beside
-    another program), and splits so that about 4 programs per SM are in flight.
+NUM_SMS = 132  # H100 / H200 SXM
+
+
+def _splits(programs: int, slots: int, max_len: int) -> int:
+    """Splits per row so the grid fills whole waves of `slots` resident programs.
+
+    A 1.45-wave grid runs as 2 waves (measured: 9 splits at B64 N16 took 1.22x the time of 8).
+    Take the fewest splits whose grid fills at least 2 waves to 95% (mixed lengths even out over
+    waves), else the best-filled grid; at most 32 splits and at least 256 tokens per split.
     """
-    programs = batch * -(-num_heads // 16)
-    splits = max(1, min(32, -(-4 * 132 // programs), max(1, max_len // 1024)))
-    if fp8:
-        return Config(block_n=32, num_warps=4, num_splits=splits)
-    return Config(block_n=32, num_warps=4, num_splits=splits)
+    best, best_fill = 1, 0.0
+    for splits in range(1, max(1, min(32, max_len // 256)) + 1):
+        n = programs * splits
+        waves = -(-n // slots)
+        fill = n / (waves * slots)
+        if fill >= 0.95 and waves >= 2:
+            return splits
+        if fill > best_fill + 1e-9:
+            best, best_fill = splits, fill
+    return best
+
+
+def default_config(batch: int, num_heads: int, max_len: int, *, fp8: bool = False,
+                   itemsize: int = 2) -> Config:
+    """Tiles measured best on the H100 at B64, S32K, L512 + R64.
+
+    * `N < 64`: 16 heads per program (mma.sync), 32-token tiles, 4 warps, 2 stages; ~207
+      registers per thread, so 2 programs per SM. FP8 loads the value tile a second time (an L2
+      hit): one tile widened for two dots in two layouts costs more registers than the reload.
+    * `N >= 64`: 64 heads per program (wgmma), 64-token tiles, 8 warps: 1 program per SM.
+
+    Splits fill whole waves of resident programs (`_splits`). float32 latents halve the tile.
+    """
+    if num_heads >= 64:
+        cfg = Config(block_n=64, block_heads=64, num_warps=8, num_stages=2)
+        per_sm = 1
+    else:
+        cfg = Config(block_n=32, block_heads=16, num_warps=4, num_stages=2, reload_value=fp8)
+        per_sm = 2
+    if itemsize > 2 and not fp8:
+        cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
+    programs = batch * -(-num_heads // cfg.block_heads)
+    return dataclasses.replace(cfg, num_splits=_splits(programs, per_sm * NUM_SMS, max_len))
 
 
 @triton.jit
@@ -92,6 +129,7 @@ def _mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    RELOAD_V: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     # Head blocks vary fastest, so the programs sharing a sequence's latent run together (L2).
@@ -141,6 +179,7 @@ def _mla_decode_kernel(
             latent_ptr + row[:, None] * (L + R) + offs_l[None, :],
             mask=valid[:, None] & mask_l[None, :],
             other=0.0,
+            eviction_policy="evict_last" if RELOAD_V else "",
         ).to(q_lat.dtype)
         k_pe = tl.load(  # [BLOCK_N, BLOCK_R]
             latent_ptr + row[:, None] * (L + R) + L + offs_r[None, :],
@@ -160,6 +199,14 @@ def _mla_decode_kernel(
         l = l * alpha + tl.sum(p, axis=1)
         if FP8:
             p = p * token_scale[None, :]
+        if RELOAD_V:
+            # The same rows again (an L2 hit); another eviction hint keeps it a separate load.
+            c_kv = tl.load(  # [BLOCK_N, BLOCK_L]
+                latent_ptr + row[:, None] * (L + R) + offs_l[None, :],
+                mask=valid[:, None] & mask_l[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            ).to(q_lat.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q_lat.dtype), c_kv, input_precision=PRECISION)
         m = m_new
 
@@ -220,6 +267,7 @@ def mla_paged_decode_partials(
         BLOCK_N=config.block_n,
         BLOCK_L=max(16, triton.next_power_of_2(l)),
         BLOCK_R=max(16, triton.next_power_of_2(r)),
+        RELOAD_V=config.reload_value,
         PRECISION=precision,
     )
     return o, lse
@@ -237,7 +285,8 @@ def mla_paged_decode(q_lat, q_pe, latent_pages, block_tables, lengths, *, kv_lor
     if config is None:
         config = default_config(q_lat.shape[0], q_lat.shape[1],
                                 block_tables.shape[-1] * latent_pages.shape[1],
-                                fp8=latent_scales is not None)
+                                fp8=latent_scales is not None,
+                                itemsize=jnp.dtype(latent_pages.dtype).itemsize)
     if num_splits is not None:
         config = dataclasses.replace(config, num_splits=num_splits)
     o, lse = mla_paged_decode_partials(q_lat, q_pe, latent_pages, block_tables, lengths,

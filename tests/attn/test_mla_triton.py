@@ -97,13 +97,14 @@ def test_partials_match_reference_splits():
 
 
 FP8_CASES = [
-    dict(l=64, r=16, n=5, p=16, sub_block=4, splits=3, lengths=[31, 0, 1, 20]),
-    dict(l=32, r=32, n=16, p=32, sub_block=32, splits=1, lengths=[64, 33, 1, 0]),
+    dict(l=64, r=16, n=5, p=16, sub_block=4, splits=3, lengths=[31, 0, 1, 20], reload=True),
+    dict(l=32, r=32, n=16, p=32, sub_block=32, splits=1, lengths=[64, 33, 1, 0], reload=False),
 ]
 
 
 @pytest.mark.parametrize("c", FP8_CASES, ids=lambda c: case_id(
-    L=c["l"], R=c["r"], N=c["n"], P=c["p"], SB=c["sub_block"], J=c["splits"]))
+    L=c["l"], R=c["r"], N=c["n"], P=c["p"], SB=c["sub_block"], J=c["splits"])
+    + ("-reload" if c["reload"] else ""))
 def test_fp8_latent_matches_reference_on_same_pages(c):
     gen = rng()
     l = c["l"]
@@ -114,7 +115,7 @@ def test_fp8_latent_matches_reference_on_same_pages(c):
     q8, scales = poison(q8, keep), poison(scales, keep.any(axis=1))  # NaN where nobody reads
     out, lse = kernel.mla_paged_decode(
         q_lat, q_pe, q8, table, lengths, kv_lora_rank=l, scale=0.2, latent_scales=scales,
-        config=kernel.Config(block_n=16, num_splits=c["splits"]))
+        config=kernel.Config(block_n=16, num_splits=c["splits"], reload_value=c["reload"]))
     exp_out, exp_lse = _reference(q_lat, q_pe, q8, table, lengths, l=l, scale=0.2, scales=scales)
     # Tiles and probabilities go through float16 for the tensor cores: f16-level error.
     assert_close(out, exp_out, atol=1e-2, rtol=1e-2)
@@ -147,6 +148,19 @@ def test_config_validation():
         kernel.Config(num_splits=0)
     with pytest.raises(ValueError, match="fp8_compute"):
         kernel.Config(fp8_compute="float32")
+
+
+def test_default_config_fills_whole_waves():
+    cfg = kernel.default_config(64, 16, 32768)
+    assert (cfg.block_heads, cfg.num_splits, cfg.reload_value) == (16, 8, False)
+    slots = 2 * kernel.NUM_SMS  # 64 rows x 8 splits = 512 programs: 1.94 waves of 264
+    assert 64 * cfg.num_splits / (-(-64 * cfg.num_splits // slots) * slots) >= 0.95
+    assert kernel.default_config(64, 16, 32768, fp8=True).reload_value
+    wide = kernel.default_config(64, 128, 32768, fp8=True)
+    assert (wide.block_heads, wide.reload_value) == (64, False)
+    short = kernel.default_config(1, 16, 300)  # one split: fewer than 512 tokens
+    assert short.num_splits == 1
+    assert kernel.default_config(2, 5, 1 << 20, itemsize=4).block_n == 16
 
 
 @pytest.mark.gpu
