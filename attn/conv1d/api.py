@@ -1,6 +1,8 @@
-"""Public causal depthwise conv1d (prefill, decode step, slot pools): validation once, then XLA.
+"""Public causal depthwise conv1d (prefill, decode step, slot pools): validation once, then the
+backend.
 
-Only the pure-jnp reference exists so far; `implementation="triton"` raises NotImplementedError.
+`causal_conv1d_update_pool` has a Triton kernel (`attn/conv1d/triton.py`, the default on a GPU);
+the other ops are XLA only and raise NotImplementedError for `implementation="triton"`.
 Semantics and layouts are documented in `attn/conv1d/reference.py`.
 """
 
@@ -13,6 +15,7 @@ from attn._harness import resolve_implementation
 from attn.conv1d import reference
 
 _SUPPORTED = ("xla",)
+_UPDATE_POOL_SUPPORTED = ("triton", "xla")
 
 
 def _concrete(x) -> np.ndarray | None:
@@ -205,7 +208,8 @@ def causal_conv1d_update_pool(
       slot_ids: `[B]` int32 slot of each row; 0 (or -1) = padding.
       weight, bias, activation: as `causal_conv1d_update`.
       has_initial_state: `[B]` bool, or None (= every real row continues its slot's state).
-      implementation: `"xla"` or `"auto"`.
+      implementation: `"xla"`, `"triton"` or `"auto"` (the Triton kernel on a GPU). The kernel
+        updates the pool in place when the caller donates it, and leaves slot 0 untouched.
 
     Returns:
       `(y [B, C], new_pool [slots, C, W - 1])`.
@@ -218,7 +222,11 @@ def causal_conv1d_update_pool(
     width = _check_weight(weight, bias, x.shape[1], activation)
     _check_state("conv_pool", conv_pool, conv_pool.shape[0], x.shape[1], width)
     check_slot_ids(slot_ids, x.shape[0], conv_pool.shape[0], has_initial_state)
-    resolve_implementation(implementation, supported=_SUPPORTED)
+    if resolve_implementation(implementation, supported=_UPDATE_POOL_SUPPORTED) == "triton":
+        from attn.conv1d import triton as kernel
+
+        return kernel.causal_conv1d_update_pool(x, conv_pool, slot_ids, weight, bias, activation,
+                                                has_initial_state=has_initial_state)
     return reference.causal_conv1d_update_pool(x, conv_pool, slot_ids, weight, bias, activation,
                                                has_initial_state=has_initial_state)
 

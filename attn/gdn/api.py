@@ -1,7 +1,8 @@
-"""Public Gated DeltaNet ops: validation once, then the backend (only XLA so far).
+"""Public Gated DeltaNet ops: validation once, then the backend.
 
 Semantics, layouts and the HF conventions they follow are documented in `attn/gdn/reference.py`.
-`implementation="triton"` / `"mosaic"` raise NotImplementedError until kernels land.
+`gdn_decode_pool` has a Triton kernel (`attn/gdn/triton.py`, the default on a GPU); the other ops
+are XLA only and raise NotImplementedError for `implementation="triton"` / `"mosaic"`.
 """
 
 from jaxtyping import Array, Bool, Float, Int
@@ -12,6 +13,7 @@ from attn.conv1d.api import check_cu_seqlens, check_slot_ids
 from attn.gdn import reference
 
 _SUPPORTED = ("xla",)
+_DECODE_POOL_SUPPORTED = ("triton", "xla")
 
 
 def _check_inputs(q, k, v, g, beta, scale, single_token: bool = False) -> tuple[int, ...]:
@@ -235,7 +237,8 @@ def gdn_decode_pool(
       ssm_pool: `[slots, Nv, H, Hv]` float32 states.
       slot_ids: `[B]` int32 slot per row; 0 = padding. Real slots must be distinct.
       has_initial_state: `[B]` bool, or None (= every real row continues its slot's state).
-      implementation: `"xla"` or `"auto"`.
+      implementation: `"xla"`, `"triton"` or `"auto"` (the Triton kernel on a GPU). The kernel
+        updates the pool in place when the caller donates it, and leaves slot 0 untouched.
 
     Returns:
       `(o [B, 1, Nv, Hv], new_pool [slots, Nv, H, Hv])`.
@@ -247,7 +250,12 @@ def gdn_decode_pool(
     bsz, _, _, nv, h, hv = _check_inputs(q, k, v, g, beta, scale, single_token=True)
     _check_pool(ssm_pool, nv, h, hv)
     check_slot_ids(slot_ids, bsz, ssm_pool.shape[0], has_initial_state)
-    resolve_implementation(implementation, supported=_SUPPORTED)
+    if resolve_implementation(implementation, supported=_DECODE_POOL_SUPPORTED) == "triton":
+        from attn.gdn import triton as kernel
+
+        return kernel.gdn_decode_pool(q, k, v, g, beta, ssm_pool, slot_ids,
+                                      has_initial_state=has_initial_state, scale=scale,
+                                      use_qk_l2norm=use_qk_l2norm)
     return reference.gdn_decode_pool(q, k, v, g, beta, ssm_pool, slot_ids,
                                      has_initial_state=has_initial_state, scale=scale,
                                      use_qk_l2norm=use_qk_l2norm)
