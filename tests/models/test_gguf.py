@@ -7,6 +7,7 @@ loads the very same file, so both sides dequantise identical blocks and must agr
 
 import importlib.util
 import os
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -116,7 +117,7 @@ def test_bad_gguf_files(tiny_llama, tmp_path):
     hf_model, _, path = tiny_llama
     good = os.path.join(path, "tiny-bad-src.gguf")
     tiny.write_llama_gguf(good, hf_model, tied=True)
-    data = open(good, "rb").read()
+    data = Path(good).read_bytes()
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(data[:-1000])
     with pytest.raises(models.CheckpointError,
