@@ -12,10 +12,15 @@ Writes `<out>/prefill.json` and `<out>/prefill.md`. Rows:
   key / value); goal `speedup_vs_anchor >= 0.9`.
 - `window_prefill`: S64K, window 4K, sink 128, N32/K8; TFLOP/s on the visible pairs; anchor cuDNN
   sliding window `local_window_size=(window - 1, 0)` (no sink: cuDNN has none); goal >= 0.9x.
+- `flash_prefill_fwd_bwd`: forward + backward (gradient of `sum(out * d_out)`) at the first two
+  lengths and with a window of `--window / 2`, against cuDNN's; FLOPs 3.5x the forward's (FA
+  convention); for information (PERF.md has no backward goal).
 
 The ceiling of every row is an 8192^3 bf16 matmul measured in the same process. More row
 functions (tokamax, block-sparse, GDN) append to `ROWS`: each takes `(args, ctx)` and returns rows.
-`--sweep` times our kernel under several launch configs at S8K and writes nothing.
+`--sweep` times our forward under several launch configs at S8K (causal) and at S32K with the
+window; `--sweep-bwd` times forward + backward under several backward tile configs; both write
+nothing.
 """
 
 from __future__ import annotations
@@ -162,12 +167,83 @@ def window_rows(args, ctx: Context) -> list[dict]:
         meets_goal=None if anchor_ms is None else anchor_ms / ms >= 0.9, **extra)]
 
 
-ROWS = {"flash_prefill": flash_rows, "window_prefill": window_rows}
+def _grad_fn(fn):
+    """`(q, k, v, d_out) -> (dq, dk, dv)` of `sum(fn(q, k, v) * d_out)`, jitted."""
+    def loss(q, k, v, d_out):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def backward_rows(args, ctx: Context) -> list[dict]:
+    """Causal (and windowed) forward + backward against cuDNN's, at the first two lengths."""
+    b, n, kh, h = args.batch, args.heads, args.kv_heads, args.head_dim
+    rows = []
+    cases = [(s, None) for s in args.seqs[:2]] + [(args.seqs[0], args.window // 2)]
+    for s, w in cases:
+        q, k, v = _qkv(s + 3, b, s, n, kh, h)
+        d_out = jax.random.normal(jax.random.key(s), q.shape, q.dtype)
+        opts = {} if w is None else dict(window=w)
+        ours = _grad_fn(lambda q, k, v, opts=opts: dense_triton.attention(
+            q, k, v, config=ctx.config, **opts)[0])
+        grads = ours(q, k, v, d_out)
+        ms = _bench.time_ms(ours, q, k, v, d_out)
+        cudnn_opts = dict(is_causal=True)
+        if w is not None:
+            cudnn_opts["local_window_size"] = (w - 1, 0)
+        anchor_ms, extra = None, {}
+        for gqa in (True, False):
+            try:
+                anchor = _grad_fn(_cudnn(gqa, **cudnn_opts))
+                ref = anchor(q, k, v, d_out)
+                anchor_ms = _bench.time_ms(anchor, q, k, v, d_out)
+            except Exception as e:  # an anchor that cannot run is reported, not fatal
+                log.warning("cuDNN backward (gqa=%s): %s", gqa, str(e).splitlines()[0][:200])
+                continue
+            extra = {f"rel_err_d{x}_vs_anchor": round(_rel_err(a, r), 5)
+                     for x, a, r in zip("qkv", grads, ref)}
+            if not gqa:
+                extra["anchor_note"] = "K/V repeated to N heads"
+            break
+        pairs = _causal_pairs(b, s, n) if w is None else b * n * _window_pairs(s, w, 0)
+        flops = 3.5 * 4 * pairs * h  # forward + backward (2.5x the forward), the FA convention
+        rows.append(_bench.row(
+            kernel="flash_prefill_fwd_bwd",
+            case=f"B{b}-S{s // 1024}K-N{n}-K{kh}-H{h}-bf16-" + ("causal" if w is None else
+                                                                f"window{w}"),
+            ms=ms, achieved=flops / ms / 1e9, unit="TFLOP/s", ceiling=ctx.matmul_tflops,
+            anchor="cuDNN jax.nn.dot_product_attention fwd+bwd", anchor_ms=anchor_ms,
+            goal="none (information; PERF.md has no backward row)", meets_goal=None, **extra))
+    return rows
+
+
+ROWS = {"flash_prefill": flash_rows, "window_prefill": window_rows,
+        "flash_prefill_fwd_bwd": backward_rows}
 
 
 def _config(text: str) -> dense_triton.Config:
     bm, bn, warps, stages = (int(x) for x in text.split("-"))
     return dense_triton.Config(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+
+
+def sweep_backward(args) -> None:
+    """Time forward + backward under each `--bwd-configs` entry (bwd tiles) at S = `--seqs[0]`."""
+    b, n, kh, h, s = args.batch, args.heads, args.kv_heads, args.head_dim, args.seqs[0]
+    q, k, v = _qkv(0, b, s, n, kh, h)
+    d_out = jax.random.normal(jax.random.key(5), q.shape, q.dtype)
+    flops = 3.5 * 4 * _causal_pairs(b, s, n) * h
+    base = args.config or dense_triton.default_config(h)
+    print(f"{'bwd config':16} {'fwd+bwd ms':>10} {'TFLOP/s':>8}")
+    for bm, bn, warps, stages in args.bwd_configs:
+        cfg = dataclasses.replace(base, bwd_block_m=bm, bwd_block_n=bn, bwd_num_warps=warps,
+                                  bwd_num_stages=stages)
+        name = f"{bm}-{bn}-{warps}-{stages}"
+        try:
+            fn = _grad_fn(lambda q, k, v, cfg=cfg: dense_triton.attention(q, k, v, config=cfg)[0])
+            ms = _bench.time_ms(fn, q, k, v, d_out)
+        except Exception as e:
+            print(f"{name:16} failed: {str(e).splitlines()[0][:100]}")
+            continue
+        print(f"{name:16} {ms:10.4f} {flops / ms / 1e9:8.1f}")
 
 
 def sweep(args) -> None:
@@ -224,6 +300,12 @@ def main(argv=None):
                         default="128-64-4-3,128-64-8-3,128-64-8-2,128-128-8-2,128-128-8-3,"
                                 "64-64-4-3,64-128-4-3,128-32-4-4,128-128-4-2",
                         help="sweep configs BLOCK_M-BLOCK_N-warps-stages, comma separated")
+    parser.add_argument("--sweep-bwd", action="store_true",
+                        help="sweep the backward tiles (--bwd-configs) instead, write nothing")
+    parser.add_argument("--bwd-configs", default="64-64-4-2,64-64-8-2,32-64-4-2,64-128-8-2,"
+                        "32-128-4-2,64-32-4-3",
+                        type=lambda s: [tuple(int(x) for x in c.split("-")) for c in s.split(",")],
+                        help="backward configs BWD_BLOCK_M-BWD_BLOCK_N-warps-stages")
     parser.add_argument("--sweep-window-seq", type=int, default=32768,
                         help="sequence length of the window column of the sweep")
     parser.add_argument("--out", default="benchmarks")
@@ -233,6 +315,8 @@ def main(argv=None):
         args.window = min(args.window, 2048)
     logging.basicConfig(level=logging.INFO)
     log.info("device: %s", _bench.device_info())
+    if args.sweep_bwd:
+        return sweep_backward(args)
     if args.sweep:
         return sweep(args)
     ctx = Context(matmul_tflops=matmul_tflops(), config=args.config)
