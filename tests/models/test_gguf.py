@@ -96,6 +96,18 @@ def test_quantised_llama_gguf_matches_transformers(tiny_llama, tied):
     assert np.abs(expected - tiny.hf_logits(hf_model, ids)).max() > 100 * tiny.TOLERANCE
 
 
+def test_quantised_qwen3_gguf_matches_transformers(tmp_path):
+    # transformers reads no head_dim from qwen3 GGUF metadata (it keeps Qwen3's default 128),
+    # so the tiny model uses head_dim 128 for both loaders to agree.
+    hf_model, ids, _ = tiny.save_tiny("qwen3", str(tmp_path), head_dim=128)
+    file = str(tmp_path / "tiny-qwen3.gguf")
+    tiny.write_llama_gguf(file, hf_model, tied=True, arch="qwen3")
+    expected = tiny.hf_logits(_hf_from_gguf(file), ids)
+    model = models.from_pretrained(file, progress=False)
+    assert type(model).family == "qwen3" and model.cfg.attention.qk_norm == "plain"
+    assert_close(model(jnp.asarray(ids, jnp.int32)), expected, atol=tiny.TOLERANCE, rtol=0)
+
+
 def test_unquantised_gguf_equals_safetensors(tiny_llama):
     hf_model, _, path = tiny_llama
     file = os.path.join(path, "tiny-f32.gguf")

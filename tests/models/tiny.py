@@ -94,12 +94,14 @@ def permute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
         .swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(path: str, model, *, tied: bool, quant: bool = True) -> None:
-    """Write an HF Llama model as llama.cpp would: names, metadata, q/k permutation, Q8_0 / Q4_1.
+def write_llama_gguf(path: str, model, *, tied: bool, quant: bool = True,
+                     arch: str = "llama") -> None:
+    """Write an HF model as llama.cpp would: names, metadata, q/k permutation, Q8_0 / Q4_1.
 
     Args:
       path: output `.gguf` file.
-      model: an HF `LlamaForCausalLM`.
+      model: an HF `LlamaForCausalLM` (arch "llama") or `Qwen3ForCausalLM` (arch "qwen3": no
+        q/k permutation, q/k norms, `attention.key_length`).
       tied: leave out `output.weight` (tied embeddings).
       quant: quantise the matrices (embedding Q8_0, others Q4_1; norms stay F32).
     """
@@ -107,7 +109,7 @@ def write_llama_gguf(path: str, model, *, tied: bool, quant: bool = True) -> Non
 
     c = model.config
     sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
-    w = gguf.GGUFWriter(path, arch="llama")
+    w = gguf.GGUFWriter(path, arch=arch)
     w.add_name("tiny")
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -117,7 +119,11 @@ def write_llama_gguf(path: str, model, *, tied: bool, quant: bool = True) -> Non
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    if arch == "llama":
+        w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    else:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
     w.add_vocab_size(c.vocab_size)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1 if quant else gguf.LlamaFileType.ALL_F32)
 
@@ -136,12 +142,14 @@ def write_llama_gguf(path: str, model, *, tied: bool, quant: bool = True) -> Non
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    if arch == "qwen3":
+        names.update({"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"})
     for i in range(c.num_hidden_layers):
         for hf, gg in names.items():
             arr = sd[f"model.layers.{i}.{hf}.weight"]
-            if hf == "self_attn.q_proj":
+            if hf == "self_attn.q_proj" and arch == "llama":
                 arr = permute_rotary(arr, c.num_attention_heads)
-            elif hf == "self_attn.k_proj":
+            elif hf == "self_attn.k_proj" and arch == "llama":
                 arr = permute_rotary(arr, c.num_key_value_heads)
             put(f"blk.{i}.{gg}.weight", arr, Q.Q4_1)
     w.write_header_to_file()
