@@ -121,7 +121,8 @@ def account(rules, params: dict, source, ignore: tuple[str, ...], where: str) ->
     patterns = [re.compile(p) for p in ignore]
     extra = sorted(available - needed)
     ignored = tuple(n for n in extra if any(p.fullmatch(n) for p in patterns))
-    unexpected = [source.describe(n) for n in extra if n not in set(ignored)]
+    skip = set(ignored)
+    unexpected = [source.describe(n) for n in extra if n not in skip]
     misshaped = []
     for r in rules:
         if any(s not in available for s in r.sources):
