@@ -1,10 +1,15 @@
 """Full-forward logits of converted tiny random HF models vs transformers (f32, 160 tokens)."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import models
+from attn.dense import attention
 from tests.models import tiny
 from tests.utils import assert_close
 
@@ -78,3 +83,49 @@ def test_forward_input_errors(tmp_path):
         model(jnp.zeros((1, 4), jnp.float32))
     with pytest.raises(ValueError, match=r"positions.shape=\(1, 3\)"):
         model(jnp.zeros((1, 4), jnp.int32), positions=jnp.zeros((1, 3), jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ContiguousCacheAttend:
+    """A minimal engine-style attend: writes this chunk's k, v into a `[B, S, K, H]` cache at
+    `offset` and attends to the cache so far. It proves `project` / `attend` / `output` is enough
+    for chunked prefill and decode; the real engine swaps in paged KV."""
+
+    offset: jax.Array  # [B] int32 tokens already cached
+
+    def __call__(self, spec, qkv, state):
+        k_cache, v_cache = state
+        t = qkv.q.shape[1]
+        write = jax.vmap(lambda c, x, o: jax.lax.dynamic_update_slice_in_dim(c, x, o, 0))
+        k_cache = write(k_cache, qkv.k, self.offset)
+        v_cache = write(v_cache, qkv.v, self.offset)
+        o, _ = attention(qkv.q, k_cache, v_cache, causal=True, scale=spec.scale,
+                         q_offset=self.offset, kv_lengths=self.offset + t, window=spec.window,
+                         sinks=spec.sinks)
+        return o, (k_cache, v_cache)
+
+
+@nnx.jit
+def _cached_step(model, ids, offset, caches):
+    positions = offset[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)
+    hidden, caches = model.forward(ids, positions, attend=_ContiguousCacheAttend(offset),
+                                   states=caches)
+    return model.logits(hidden), caches
+
+
+def test_cached_prefill_and_decode_equal_full_forward(tmp_path):
+    _, ids, expected = tiny.save_tiny("qwen3", str(tmp_path), ids=tiny.token_ids(2, 110),
+                                      use_sliding_window=True, sliding_window=48,
+                                      max_window_layers=1)
+    model = models.from_pretrained(tmp_path, progress=False)
+    a = model.cfg.attention
+    shape = (2, 110, a.num_kv_heads, a.head_dim)
+    caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in model.layers]
+    ids = jnp.asarray(ids, jnp.int32)
+    chunks = [(0, 50), (50, 100)] + [(t, t + 1) for t in range(100, 110)]  # prefill, decode
+    got = []
+    for start, stop in chunks:
+        offset = jnp.full((2,), start, jnp.int32)
+        logits, caches = _cached_step(model, ids[:, start:stop], offset, caches)
+        got.append(logits)
+    assert_close(jnp.concatenate(got, axis=1), expected, atol=tiny.TOLERANCE, rtol=0)
