@@ -6,7 +6,9 @@
 Writes `benchmarks/decode.json` and `benchmarks/decode.md`. Rows: `paged_decode` (bf16, every
 group size, uniform tables) against the deprecated JAX Pallas `paged_attention` and
 `decode_attention`; `paged_decode_headwise` (per-head tables, all full and half streaming) against
-our own uniform-table time; `paged_decode_fp8` against our bf16 time; the XLA reference once.
+our own uniform-table time; `paged_decode_fp8` against our bf16 time; the XLA reference once;
+`mla_decode` (experiments/bench_mla_rows.py) and `gdn_decode` / `causal_conv1d_update`
+(experiments/bench_gdn_rows.py) with their anchors.
 """
 
 from __future__ import annotations
@@ -216,6 +218,8 @@ def main(argv=None):
                         type=lambda s: [tuple(int(x) for x in c.split("-")) for c in s.split(",")],
                         help="sweep configs block_n-warps-stages-splits, comma separated")
     parser.add_argument("--out", default="benchmarks")
+    parser.add_argument("--only", default="paged,mla,gdn",
+                        type=lambda s: set(s.split(",")), help="row groups to run")
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.seq, args.groups = 4, 4096, [1, 4, 7]
@@ -225,7 +229,17 @@ def main(argv=None):
         return sweep(args, rng)
     bw = _bench.copy_bandwidth_tbs()
     log.info("copy bandwidth: %s", bw)
-    rows = paged_rows(args, bw, rng)
+    rows = []
+    if "paged" in args.only:
+        rows += paged_rows(args, bw, rng)
+    if "mla" in args.only:
+        from experiments.bench_mla_rows import mla_rows
+
+        rows += mla_rows(bw, rng)
+    if "gdn" in args.only:
+        from experiments.bench_gdn_rows import gdn_rows
+
+        rows += gdn_rows(bw)
     md = _bench.write("decode", rows, extra={"copy_bandwidth_tbs": bw}, out_dir=args.out)
     _bench.print_table(rows)
     print(f"wrote {md}")
