@@ -109,6 +109,22 @@ def exclusive_prefix_sum(x: Int[Array, "B ..."]) -> Int[Array, "B ..."]:
     return jnp.tensordot(before.astype(jnp.int32), x.astype(jnp.int32), axes=1)
 
 
+def _scatter_rows(x, rows, cols, valid, values, *, add: bool = False):
+    """`x[rows, cols] = values` (or `+=`) for the `valid` entries of a `[K, n]` array.
+
+    Invalid entries go to a trash column appended for the call, not to an out-of-range column
+    with `mode="drop"`: under `--xla_gpu_deterministic_ops=true` (jax 0.11.2, measured on an
+    H100) a scalar scatter with two index dims linearises the index, so column `n` of row `k`
+    lands in row `k + 1`.
+    """
+    n = x.shape[1]
+    cols = jnp.where(valid & (cols >= 0) & (cols < n), cols, n)
+    at = jnp.pad(x, ((0, 0), (0, 1))).at[rows, cols]
+    out = at.add(values, mode="promise_in_bounds") if add else at.set(values,
+                                                                      mode="promise_in_bounds")
+    return out[:, :n]
+
+
 def _select(ok, new, old):
     """`new` if `ok` else `old`, leaf by leaf (the all-or-nothing commit)."""
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
@@ -156,7 +172,8 @@ def alloc_batch(
     Args:
       allocator: the per-head free stacks.
       tables: the batch's block tables.
-      n_pages: `[B, K]` int (or anything broadcasting to it, e.g. `[K]` or a scalar).
+      n_pages: `[B, K]` int, or anything broadcasting to it: `[K]` (every row), `[B, 1]` (every
+        head) or a scalar. A bare `[B]` would broadcast as `[K]`; pass `n[:, None]`.
 
     Returns:
       `(allocator, tables, ok)`; `ok` is a scalar bool array.
@@ -179,7 +196,7 @@ def alloc_batch(
     page = allocator.free_stack[kk, depth]  # [B, K, M]
     new_tables = tables.replace(table=jnp.where(take, page, tables.table),
                                 extent=tables.extent + n)
-    owned = allocator.owned.at[kk, jnp.where(take, page, num_pages)].set(True, mode="drop")
+    owned = _scatter_rows(allocator.owned, kk, page, take, True)
     new_alloc = allocator.replace(free_count=allocator.free_count - jnp.sum(n, axis=0),
                                   owned=owned)
     new_alloc, new_tables = _select(ok, (new_alloc, new_tables), (allocator, tables))
@@ -233,9 +250,10 @@ def _release(allocator: PageAllocator, table: Array, mask: Array):
     num_pages = allocator.num_pages
     kk = jnp.arange(num_kv, dtype=jnp.int32)[None, :, None]
     in_range = (table >= 1) & (table < num_pages)
-    idx = jnp.where(mask & in_range, table, num_pages)  # -1 and garbage never index
     # Owned count after the release: -1 somewhere means a page not owned or listed twice.
-    left = allocator.owned.astype(jnp.int32).at[kk, idx].add(-1, mode="drop")
+    # (-1 entries and garbage go to the trash column, never to an index.)
+    left = _scatter_rows(allocator.owned.astype(jnp.int32), kk, table, mask & in_range, -1,
+                         add=True)
     ok = jnp.all(~mask | in_range) & jnp.all(left >= 0)
 
     # Push order: row-major over (b, j) within each head. A stable sort moves the released
@@ -246,9 +264,9 @@ def _release(allocator: PageAllocator, table: Array, mask: Array):
     pushed = jnp.take_along_axis(pages, order, axis=1)
     count = jnp.sum(m, axis=1, dtype=jnp.int32)
     i = jnp.arange(batch * max_pages, dtype=jnp.int32)[None, :]
-    pos = jnp.where(i < count[:, None], allocator.free_count[:, None] + i, num_pages)  # dropped
     k2 = jnp.arange(num_kv, dtype=jnp.int32)[:, None]
-    stack = allocator.free_stack.at[k2, pos].set(pushed, mode="drop")
+    stack = _scatter_rows(allocator.free_stack, k2, allocator.free_count[:, None] + i,
+                          i < count[:, None], pushed)
     new = allocator.replace(
         free_stack=stack,
         free_count=allocator.free_count + count,
