@@ -177,9 +177,9 @@ class GGUFSource:
 def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K permutation for rotate-half RoPE.
 
-    llama.cpp's converter reorders each head's rows from halves `[x_0..x_{H/2-1} | x_{H/2}..]` to
-    interleaved pairs so that its GPT-J-style RoPE applies. Inverse: rows of head n viewed as
-    `[2, H/2]` after `[H/2, 2]`.
+    llama.cpp's converter reorders each head's rows from the rotate-half order (view `[2, H/2]`)
+    to adjacent pairs (view `[H/2, 2]`) so that its GPT-J-style RoPE applies. The inverse views
+    each head's rows as `[H/2, 2]` and transposes back to `[2, H/2]`.
 
     Args:
       w: `[num_heads * H, ...]` q or k projection weight (or bias) in GGUF row order.
