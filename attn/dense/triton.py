@@ -54,7 +54,7 @@ class Config:
     num_stages: int = 3
     bwd_block_m: int = 64
     bwd_block_n: int = 64
-    bwd_num_warps: int = 4
+    bwd_num_warps: int = 8
     bwd_num_stages: int = 2
 
     def __post_init__(self):
@@ -71,9 +71,11 @@ class Config:
 
 
 def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
-    """Tiles for Hopper bf16: 128 rows x 64 keys, 8 warps (two warpgroups of 64 rows), 3 stages;
-    wide heads (> 128) take 32-key tiles and 2 stages so K/V stages fit in shared memory. Untuned
-    until the `bench_prefill --sweep` numbers are in (benchmarks/NOTES.md)."""
+    """Tiles for Hopper bf16 at H <= 128: forward 128 rows x 64 keys, 8 warps (two warpgroups of
+    64 rows), 3 stages (ptxas for sm_90a: 234 registers, no spills, 128 KiB shared; 4 warps
+    spill); backward 64 x 64, 8 warps, 2 stages (4 warps spill in dK / dV). Wide heads (> 128)
+    take 32-key tiles and 2 stages so the K/V stages fit in shared memory. Not yet timed: the
+    `bench_prefill --sweep` numbers decide (benchmarks/NOTES.md)."""
     width = max(head_dim, value_head_dim or head_dim)
     if width > 128:
         return Config(block_m=128, block_n=32, num_warps=8, num_stages=2, bwd_block_m=32,

@@ -7,6 +7,11 @@ The interpreter runs one numpy op per kernel op, so CPU cases are tiny and use 6
 are NaN-poisoned wherever lengths are given.
 """
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,6 +166,60 @@ def test_unsupported_and_config_validation():
         kernel.Config(num_stages=0)
 
 
+_AOT = textwrap.dedent("""
+    import os, subprocess, sys, tempfile
+    os.environ["TRITON_INTERPRET"] = "0"
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from attn.dense import triton as kt
+
+    cfg = kt.default_config(128)
+    dims = dict(B=1, T=8192, S=8192, K=8, G=4, H=128, HV=128, BLOCK_H=128, BLOCK_HV=128,
+                PRECISION="tf32", CAUSAL=True)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    num_m = triton.cdiv(8192 * 4, cfg.block_m)
+    num_m_bwd = triton.cdiv(8192 * 4, cfg.bwd_block_m)
+    fwd = dict(SCALE_LOG2=0.13, NUM_M=num_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+    bwd = dict(SCALE=0.09, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n)
+    for kernel, consts, warps, stages in (
+            (kt._flash_fwd_kernel, fwd, cfg.num_warps, cfg.num_stages),
+            (kt._flash_bwd_dq_kernel, bwd | dict(NUM_M=num_m_bwd), cfg.bwd_num_warps,
+             cfg.bwd_num_stages),
+            (kt._flash_bwd_dkdv_kernel, bwd, cfg.bwd_num_warps, cfg.bwd_num_stages)):
+        consts = consts | dims
+        names = kernel.arg_names
+        types = {n: "*i32" for n in names if n.startswith(("offset", "len", "window", "sink"))}
+        types |= {n: "*fp32" for n in names if n.startswith(("lse", "delta"))}
+        sig = {n: "constexpr" if n in consts else types.get(n, "*bf16") for n in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
+        src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=warps, num_stages=stages))
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(c.asm["ptx"])
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                           capture_output=True, text=True, check=True)
+        print(kernel.__name__, c.asm["ptx"].count("wgmma.mma_async"), r.stderr.replace("\\n", " "))
+""")
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_without_spills():
+    """Compile the three kernels for Hopper on any machine (no GPU needed): the default tiles use
+    wgmma and spill no registers (ptxas -v)."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True,
+                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__))))).stdout
+    lines = [line for line in out.splitlines() if line.startswith("_flash_")]
+    assert len(lines) == 3, out
+    for line in lines:
+        name, wgmma = line.split()[:2]
+        assert int(wgmma) > 0, f"{name}: no wgmma"
+        assert "0 bytes spill stores" in line, line
+
+
 # GPU: realistic shapes, bf16 kernel vs the reference on float32-upcast inputs.
 
 GPU_CASES = {
@@ -251,4 +310,28 @@ def test_gpu_gradients_match_reference(name):
         a = a.astype(jnp.float32)
         assert np.isfinite(np.asarray(a)).all(), f"d{name} not finite"
         err = float(jnp.linalg.norm(a - e) / jnp.linalg.norm(e))
+        assert err < 2e-2, f"d{name} relative error {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", ["64-64-8-2", "64-64-4-2", "32-64-4-2", "64-128-8-2",
+                                 "32-128-4-2", "64-32-4-3"])
+def test_gpu_backward_configs_are_correct(cfg):
+    bm, bn, warps, stages = (int(x) for x in cfg.split("-"))
+    config = kernel.Config(bwd_block_m=bm, bwd_block_n=bn, bwd_num_warps=warps,
+                           bwd_num_stages=stages)
+    gen = rng()
+    q, k, v = _qkv(gen, b=1, t=1000, s=1536, kh=4, g=4, h=128, hv=128, dtype=jnp.bfloat16)
+    d_out = randn(gen, q.shape, jnp.bfloat16)
+    opts = dict(q_offset=536, window=700, sinks=100)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v)[0].astype(jnp.float32) * d_out)
+
+    got = jax.jit(jax.grad(loss(lambda *a: kernel.attention(*a, config=config, **opts)),
+                           (0, 1, 2)))(q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    exp = jax.grad(loss(lambda *a: attention(*a, implementation="xla", **opts)), (0, 1, 2))(*f32)
+    for name, a, e in zip("qkv", got, exp):
+        err = float(jnp.linalg.norm(a.astype(jnp.float32) - e) / jnp.linalg.norm(e))
         assert err < 2e-2, f"d{name} relative error {err:.2e}"
