@@ -6,6 +6,7 @@ Only the `xla` reference exists so far; `implementation="triton"` raises NotImpl
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import jax
@@ -26,6 +27,17 @@ _absorbed = jax.jit(reference.mla_absorbed_attention, static_argnames=("causal",
 _partials = jax.jit(reference.mla_paged_decode_partials,
                     static_argnames=("kv_lora_rank", "num_splits"))
 _decode = jax.jit(reference.mla_paged_decode, static_argnames=("kv_lora_rank", "num_splits"))
+
+
+def _decode_triton(*args, **kwargs):
+    from attn.mla import triton as mla_triton  # imports triton: only when asked for
+
+    return _decode_triton_jit(mla_triton)(*args, **kwargs)
+
+
+@functools.cache
+def _decode_triton_jit(module):
+    return jax.jit(module.mla_paged_decode, static_argnames=("kv_lora_rank",))
 _absorb = jax.jit(lambda q, w: reference.absorb_query(q, w).astype(q.dtype))
 _expand = jax.jit(lambda o, w: reference.expand_output(o, w).astype(o.dtype))
 _LATENT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -351,7 +363,8 @@ def mla_paged_decode(
         `latent_pages[g, s].astype(f32) * latent_scales[g, s // sub_block]`.
       num_splits: split-KV factor (see `mla_paged_decode_partials`); the result does not depend on
         it beyond rounding.
-      implementation: `"xla"` or `"auto"`.
+      implementation: `"xla"`, `"triton"` or `"auto"` (the Triton kernel on a GPU; it picks its
+        own split count, `num_splits` applies to `"xla"`).
 
     Returns:
       `(o_lat [B, N, L] in q_lat's dtype, lse [B, N] float32)`; rows with length 0 give exactly 0
@@ -367,7 +380,11 @@ def mla_paged_decode(
     """
     _check_decode_inputs(q_lat, q_pe, latent_pages, block_tables, lengths, kv_lora_rank, scale,
                          latent_scales, num_splits)
-    resolve_implementation(implementation, supported=_SUPPORTED)
+    if resolve_implementation(implementation, supported=("triton", "xla")) == "triton":
+        # The kernel picks its own split count (wave-filling); the result differs by rounding.
+        return _decode_triton(q_lat, q_pe, latent_pages, block_tables, lengths,
+                              kv_lora_rank=kv_lora_rank, scale=scale,
+                              latent_scales=latent_scales)
     return _decode(
         q_lat, q_pe, latent_pages, block_tables, lengths, kv_lora_rank=kv_lora_rank, scale=scale,
         latent_scales=latent_scales, num_splits=num_splits,

@@ -331,7 +331,7 @@ def _bad_attention():
          r"kv_lengths.shape\[0\]=3"),
         ("kv_lengths-dtype", dict(kv_lengths=np.zeros(2)), TypeError, "kv_lengths.dtype"),
         ("impl-unknown", dict(implementation="cuda"), ValueError, "implementation="),
-        ("impl-triton", dict(implementation="triton"), NotImplementedError, "implementation="),
+        ("impl-mosaic", dict(implementation="mosaic"), NotImplementedError, "implementation="),
     ]
     return good, cases
 
@@ -387,7 +387,7 @@ def _bad_decode():
         ("scales-sub-block", dict(fp8, latent_scales=np.ones((5, 3), np.float32)), ValueError,
          r"page size P=4 must be divisible by latent_scales.shape\[1\]=3"),
         ("impl-unknown", dict(implementation="cuda"), ValueError, "implementation="),
-        ("impl-triton", dict(implementation="triton"), NotImplementedError, "implementation="),
+        ("impl-mosaic", dict(implementation="mosaic"), NotImplementedError, "implementation="),
     ]
     return good, cases
 
