@@ -297,8 +297,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     parser.add_argument("--sweep", action="store_true", help="time launch configs, write nothing")
     parser.add_argument("--configs", type=lambda s: [_config(c) for c in s.split(",")],
-                        default="128-64-4-3,128-64-8-3,128-64-8-2,128-128-8-2,128-128-8-3,"
-                                "64-64-4-3,64-128-4-3,128-32-4-4,128-128-4-2",
+                        default="128-64-8-3,128-64-8-2,128-64-8-4,128-128-8-2,128-128-8-3,"
+                                "128-32-8-4,64-64-4-3,256-64-16-2,128-64-4-3",
                         help="sweep configs BLOCK_M-BLOCK_N-warps-stages, comma separated")
     parser.add_argument("--sweep-bwd", action="store_true",
                         help="sweep the backward tiles (--bwd-configs) instead, write nothing")

@@ -261,8 +261,9 @@ def test_gpu_matches_reference(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["128-64-4-3", "128-64-8-3", "128-128-8-2", "128-128-8-3",
-                                 "64-64-4-3", "64-128-4-2", "128-32-4-4"])
+@pytest.mark.parametrize("cfg", ["128-64-8-3", "128-64-8-2", "128-64-8-4", "128-128-8-2",
+                                 "128-128-8-3", "128-32-8-4", "64-64-4-3", "256-64-16-2",
+                                 "128-64-4-3"])
 def test_gpu_sweep_configs_are_correct(cfg):
     bm, bn, warps, stages = (int(x) for x in cfg.split("-"))
     config = kernel.Config(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
