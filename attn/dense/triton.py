@@ -74,8 +74,8 @@ def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
     """Tiles for Hopper bf16 at H <= 128: forward 128 rows x 64 keys, 8 warps (two warpgroups of
     64 rows), 3 stages (ptxas for sm_90a: 234 registers, no spills, 128 KiB shared; 4 warps
     spill); backward 64 x 64, 8 warps, 2 stages (4 warps spill in dK / dV). Wide heads (> 128)
-    take 32-key tiles and 2 stages so the K/V stages fit in shared memory. Not yet timed: the
-    `bench_prefill --sweep` numbers decide (benchmarks/NOTES.md)."""
+    take 32-key tiles and 2 stages so the K/V stages fit in shared memory. Not yet timed on the
+    GPU: `python -m experiments.bench_prefill --sweep` / `--sweep-bwd` decide."""
     width = max(head_dim, value_head_dim or head_dim)
     if width > 128:
         return Config(block_m=128, block_n=32, num_warps=8, num_stages=2, bwd_block_m=32,
