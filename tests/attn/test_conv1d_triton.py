@@ -144,8 +144,9 @@ def test_compiled_on_gpu_at_model_dims():
     dirty = _poisoned(pool, slot_ids, has_init)
     init, ids = jnp.asarray(has_init), jnp.asarray(slot_ids)
     exp_y, exp_pool = jax.jit(lambda *a: ref.causal_conv1d_update_pool(
-        *a, "silu", has_initial_state=init))(x, pool, ids, weight)
-    run = jax.jit(lambda *a: kernel.causal_conv1d_update_pool(*a, "silu", has_initial_state=init),
+        *a, activation="silu", has_initial_state=init))(x, pool, ids, weight)
+    run = jax.jit(lambda *a: kernel.causal_conv1d_update_pool(*a, activation="silu",
+                                                              has_initial_state=init),
                   donate_argnums=(1,))
     y, new_pool = run(x, dirty, ids, weight)
     _check_pool_contract(y, new_pool, np.asarray(_poisoned(pool, slot_ids, has_init)), exp_y,
