@@ -23,7 +23,17 @@ Adding a family (see `llama.py` and `qwen3.py`, ~100 lines each):
    below. `from_pretrained`, `save`, `load` and `experiments/convert.py` then work unchanged.
 """
 
+from models.families.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from models.families.llama import LlamaForCausalLM
 from models.families.qwen3 import Qwen3ForCausalLM
+from models.families.qwen3_5 import Qwen3_5ForCausalLM
+from models.families.qwen3_next import Qwen3NextForCausalLM
 
-__all__ = ["LlamaForCausalLM", "Qwen3ForCausalLM"]
+__all__ = [
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+]
