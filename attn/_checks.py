@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 INT32_MAX = 2**31 - 1
 
@@ -67,3 +69,11 @@ def check_int32_addressable(name: str, shape: Sequence[int]) -> None:
     if n > INT32_MAX:
         raise ValueError(f"{name} with shape {tuple(shape)} has {n} elements, more than int32 "
                          f"addressing allows ({INT32_MAX}); split it or use more pages")
+
+
+def concrete(x) -> np.ndarray | None:
+    """`x` as a numpy array, or None when it is traced (value checks then wait for run time)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None

@@ -26,20 +26,12 @@ def _per_head(x, num_heads: int) -> Int[Array, " N"]:
     return jnp.broadcast_to(jnp.asarray(x, jnp.int32), (num_heads,))
 
 
-def _concrete(x) -> np.ndarray | None:
-    """`x` as a numpy array, or None when it is traced (its values unknown until run time)."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
 def _check_head_mask_type(head_mask_type, batch: int, num_heads: int) -> None:
     _checks.check_integer("head_mask_type", head_mask_type)
     if head_mask_type.shape != (batch, num_heads):
         raise ValueError(f"head_mask_type.shape={head_mask_type.shape} must be [B, N]="
                          f"{(batch, num_heads)}")
-    values = _concrete(head_mask_type)
+    values = _checks.concrete(head_mask_type)
     if values is not None and not np.isin(values, _MODES).all():
         bad = sorted(set(values[~np.isin(values, _MODES)].tolist()))
         raise ValueError(f"head_mask_type values {bad} must be in {_MODES} "
@@ -55,7 +47,7 @@ def _check_blocks_count(name: str, value, num_heads: int) -> None:
     _checks.check_integer(name, value)
     if value.shape != (num_heads,):
         raise ValueError(f"{name}.shape={value.shape} must be an int or [N]=({num_heads},)")
-    values = _concrete(value)
+    values = _checks.concrete(value)
     if values is not None and (values < 0).any():
         raise ValueError(f"{name}={values.tolist()} must be >= 0")
 
@@ -66,7 +58,7 @@ def _check_lengths(name: str, lengths, batch: int, limit: int) -> None:
     _checks.check_integer(name, lengths)
     if lengths.shape != (batch,):
         raise ValueError(f"{name}.shape={lengths.shape} must be [B]=({batch},)")
-    values = _concrete(lengths)
+    values = _checks.concrete(lengths)
     if values is not None and ((values < 0) | (values > limit)).any():
         raise ValueError(f"{name}={values.tolist()} must lie in [0, {limit}]")
 
@@ -159,7 +151,7 @@ def effective_block_mask(
 
 
 def _check_sparse_has_mask(head_mask_type, block_mask) -> None:
-    values = _concrete(head_mask_type)
+    values = _checks.concrete(head_mask_type)
     if block_mask is None and values is not None and (values == reference.MODE_BLOCK_SPARSE).any():
         raise ValueError("head_mask_type has block-sparse heads (mode 1) but block_mask=None")
 

@@ -6,7 +6,6 @@ the other ops are XLA only and raise NotImplementedError for `implementation="tr
 Semantics and layouts are documented in `attn/conv1d/reference.py`.
 """
 
-import jax
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
@@ -16,14 +15,6 @@ from attn.conv1d import reference
 
 _SUPPORTED = ("xla",)
 _UPDATE_POOL_SUPPORTED = ("triton", "xla")
-
-
-def _concrete(x) -> np.ndarray | None:
-    """The value of `x` when it is known outside a trace, else None (then checks wait)."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
 
 
 def check_cu_seqlens(cu_seqlens, batch: int, tokens: int) -> int:
@@ -40,7 +31,7 @@ def check_cu_seqlens(cu_seqlens, batch: int, tokens: int) -> int:
         raise ValueError(f"cu_seqlens must hold at least 2 entries; got shape {cu_seqlens.shape}")
     if batch != 1:
         raise ValueError(f"varlen mode packs sequences into one row: batch={batch} must be 1")
-    cu = _concrete(cu_seqlens)
+    cu = _checks.concrete(cu_seqlens)
     if cu is not None:
         if cu[0] != 0 or cu[-1] != tokens or (np.diff(cu) < 0).any():
             raise ValueError(f"cu_seqlens={cu.tolist()} must rise from 0 to the token count "
@@ -66,7 +57,7 @@ def check_slot_ids(slot_ids, rows: int, num_slots: int, has_initial_state=None) 
         if has_initial_state.shape != slot_ids.shape:
             raise ValueError(f"has_initial_state.shape={has_initial_state.shape} must equal "
                              f"slot_ids.shape={slot_ids.shape}")
-    ids = _concrete(slot_ids)
+    ids = _checks.concrete(slot_ids)
     if ids is not None:
         bad = (ids < -1) | (ids >= num_slots)
         if bad.any():
