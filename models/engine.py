@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 from typing import Any, NamedTuple
 
@@ -46,7 +47,7 @@ from jaxtyping import Array, Float, Int
 import kv
 from attn.dense import attention
 from attn.paged_decode import paged_decode
-from models.layers.attention import QKV, Attention, AttendSpec
+from models.layers.attention import QKV, AttendSpec, Attention
 
 FP8 = jnp.float8_e4m3fn
 
@@ -265,7 +266,7 @@ def sample(logits: Float[Array, "B V"], keys, temperature, top_k, top_p) -> Int[
 
 def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds, temperature,
           top_k, top_p, *, decode, implementation, counter):
-    counter[decode] += 1  # runs at trace time only: counts compilations
+    counter["decode" if decode else "mixed"] += 1  # trace time only: counts compilations
     model = nnx.merge(graphdef, params)
     positions = offsets[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
     attend = PagedAttend(offsets, num_new, window, sinks, decode=decode,
@@ -353,10 +354,8 @@ class Engine:
         # donate the whole state.
         self.states = jax.tree.map(lambda x: jnp.array(x, copy=True), self.states)
         self._graphdef, self._params = nnx.split(model)
-        self.compiles = {False: 0, True: 0}  # trace counts of the mixed / decode step
-        step = _make_jit(implementation, self.compiles)
-        self._step = step
-        self._free = jax.jit(_free_rows, donate_argnums=0)
+        self._step = functools.partial(_jit_step, implementation=implementation)
+        self._free = _jit_free
 
         # Host mirror of the page accounting, per slot, layer and head.
         shape = (batch_slots, self.num_layers, self.num_kv_heads)
@@ -556,12 +555,15 @@ class Engine:
         return np.stack([np.asarray(kv.free_pages(s.allocator)) for s in self.states])
 
 
-def _make_jit(implementation: str, counter: dict):
-    jitted = jax.jit(
-        lambda graphdef, *args, decode: _step(graphdef, *args, decode=decode,
-                                              implementation=implementation, counter=counter),
-        static_argnums=0, static_argnames=("decode",), donate_argnums=2)
-    return jitted
+_jit_free = jax.jit(_free_rows, donate_argnums=0)
+TRACES = collections.Counter()  # ("mixed" | "decode") -> times the step was traced (compiled)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("decode", "implementation"),
+                   donate_argnums=2)
+def _jit_step(graphdef, params, states, *args, decode, implementation):
+    return _step(graphdef, params, states, *args, decode=decode, implementation=implementation,
+                 counter=TRACES)
 
 
 def kv_bytes_per_token(engine: Engine) -> float:
@@ -570,5 +572,14 @@ def kv_bytes_per_token(engine: Engine) -> float:
     return kv.page_bytes(pool) / pool.page_size
 
 
-__all__ = ["Engine", "LayerKV", "PagedAttend", "Policy", "Request", "SamplingParams", "sample",
-           "kv_bytes_per_token"]
+__all__ = [
+    "TRACES",
+    "Engine",
+    "LayerKV",
+    "PagedAttend",
+    "Policy",
+    "Request",
+    "SamplingParams",
+    "kv_bytes_per_token",
+    "sample",
+]
