@@ -36,6 +36,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -371,7 +372,9 @@ class Engine:
         self._ids = itertools.count()
         self._admitted = itertools.count()
         self._order = [0] * batch_slots  # admission order of the slot's request
-        self.stats = {"mixed_steps": 0, "decode_steps": 0, "preemptions": 0}
+        # Step counts and host wall time (dispatch to tokens on the host, compiles included).
+        self.stats = {"mixed_steps": 0, "decode_steps": 0, "preemptions": 0,
+                      "mixed_seconds": 0.0, "decode_seconds": 0.0}
         self.last_logits = None  # [B, V] float32 next-token logits of the latest step (device)
 
     # -- requests ------------------------------------------------------------------------------
@@ -504,13 +507,16 @@ class Engine:
                 req.prefill_tokens += n
         window = np.where(num_new[:, None, None] > 0, self._win, 0)
         sinks = np.where(num_new[:, None, None] > 0, self._sinks, 0)
+        start = time.perf_counter()
         tokens, self.last_logits, self.states = self._step(
             self._graphdef, self._params, self.states, ids, offsets, num_new, window, sinks,
             seeds, temp, top_k, top_p, decode=decode)
-        self.stats["decode_steps" if decode else "mixed_steps"] += 1
         for r, n in work.items():
             self._commit(r, int(offsets[r]) + n)
-        tokens = np.asarray(tokens)
+        tokens = np.asarray(tokens)  # the step's only device -> host read: B token ids
+        kind = "decode" if decode else "mixed"
+        self.stats[f"{kind}_steps"] += 1
+        self.stats[f"{kind}_seconds"] += time.perf_counter() - start
         done, freed = [], []
         for r, n in work.items():
             req = self.slots[r]
@@ -546,6 +552,16 @@ class Engine:
 
     # -- accounting ----------------------------------------------------------------------------
 
+    def page_bytes(self) -> int:
+        """Bytes of one page of one head (keys, values, FP8 scales)."""
+        return kv.page_bytes(self.states[0].pool)
+
+    def kv_bytes(self, row: int | None = None) -> np.ndarray:
+        """KV bytes in use `[L, K]` per layer and head, of one slot or all (host mirror, no sync).
+        """
+        held = self.pages_held() if row is None else self.pages_held()[row][None]
+        return held.sum(axis=0) * self.page_bytes()
+
     def kv_usage(self) -> dict:
         """KV bytes and pages in use per layer and head (`kv.kv_usage`; reads device state)."""
         return kv.kv_usage([s.pool for s in self.states], [s.allocator for s in self.states])
@@ -566,12 +582,6 @@ def _jit_step(graphdef, params, states, *args, decode, implementation):
                  counter=TRACES)
 
 
-def kv_bytes_per_token(engine: Engine) -> float:
-    """Bytes one token of KV costs per layer and head (pages amortised), for reports."""
-    pool = engine.states[0].pool
-    return kv.page_bytes(pool) / pool.page_size
-
-
 __all__ = [
     "TRACES",
     "Engine",
@@ -580,6 +590,5 @@ __all__ = [
     "Policy",
     "Request",
     "SamplingParams",
-    "kv_bytes_per_token",
     "sample",
 ]
