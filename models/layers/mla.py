@@ -30,8 +30,9 @@ Math (HF `DeepseekV3Attention` / `DeepseekV2Attention`, transformers 5.x):
 RoPE pairing: DeepSeek-V2 rotates adjacent pairs (complex multiply, output stays interleaved:
 layout "interleaved"); V3 with `rope_interleave` takes the even features then the odd ones and
 rotates halves (`apply_rotary_pos_emb_interleave`: output de-interleaved), reproduced here as a
-permutation followed by the "neox" layout (`deinterleave=True`), so `q_pe` / `k_pe` equal HF's
-bit for bit; V3 without `rope_interleave` is plain "neox".
+permutation followed by the "neox" layout (`deinterleave=True`), so `q_pe` / `k_pe` (and a latent
+cache) have HF's feature order; V3 without `rope_interleave` is plain "neox". The full forward's
+attend ignores the dense attend's `implementation` (the MLA ops choose their own backend).
 
 Not done here: packed sequences (segment ids) in the full forward, sliding windows, KV caching
 itself (the engine's attend owns it).
