@@ -14,8 +14,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from attn import _checks
+from attn._checks import concrete as _concrete
 from attn.block_sparse import block_sparse_attention
-from attn.block_sparse.api import _concrete
 from attn.elastic import reference
 from attn.xattention import xattn_estimate
 
