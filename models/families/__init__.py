@@ -25,6 +25,7 @@ Adding a family (see `llama.py` and `qwen3.py`, ~100 lines each):
 
 from models.families.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from models.families.llama import LlamaForCausalLM
+from models.families.pawqwen3 import PawQwen3ForCausalLM
 from models.families.qwen3 import Qwen3ForCausalLM
 from models.families.qwen3_5 import Qwen3_5ForCausalLM
 from models.families.qwen3_next import Qwen3NextForCausalLM
@@ -33,6 +34,7 @@ __all__ = [
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "LlamaForCausalLM",
+    "PawQwen3ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM",
