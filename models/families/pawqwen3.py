@@ -71,6 +71,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from attn._checks import concrete
 from attn.elastic import (
     AttentionRouter,
     ctx_q_pool,
@@ -438,8 +439,8 @@ class PawQwen3ForCausalLM(Qwen3ForCausalLM):
             if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
                 raise ValueError(f"lengths must be integer [B]=({b},); got "
                                  f"{lengths.dtype}{list(lengths.shape)}")
-            values = jax.device_get(lengths)
-            if (values < 0).any() or (values > t).any():
+            values = concrete(lengths)  # None under an outer jit: checked at run time only
+            if values is not None and ((values < 0).any() or (values > t).any()):
                 raise ValueError(f"lengths={values.tolist()} must lie in [0, T={t}]")
             lengths = lengths.astype(jnp.int32)
         logits, z = _elastic_forward(self, ids.astype(jnp.int32), positions.astype(jnp.int32),
