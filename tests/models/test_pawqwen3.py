@@ -432,3 +432,16 @@ def test_forward_argument_errors(base, tmp_path):
         model(ids, elastic=False, return_decisions=True)
     with pytest.raises(TypeError, match="input_ids.dtype=float32"):
         model(jnp.zeros((2, 8), jnp.float32))
+
+
+def test_convert_cli_round_trip(base, tmp_path):
+    """`python -m experiments.convert` on a PawQwen3 checkpoint: the orbax copy is bitwise."""
+    from experiments import convert
+
+    src = tmp_path / "paw"
+    write_paw(base[0], src, ROUTED, router_tensors(3))
+    dst = tmp_path / "orbax"
+    assert convert.main([str(src), str(dst), "--quiet"]) == 0
+    restored, direct = models.load(dst), models.from_pretrained(src, progress=False)
+    ids = jnp.asarray(base[2][:1, :40])
+    np.testing.assert_array_equal(np.asarray(restored(ids)), np.asarray(direct(ids)))
