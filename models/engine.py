@@ -1,20 +1,23 @@
 """Generation engine: paged KV, fixed batch slots, chunked prefill, continuous batching, sampling.
 
 Design. The device side is two jitted step functions with static shapes, both over `B` batch
-slots and the same per-layer KV state `(PagePool, BlockTables, PageAllocator)`:
+slots and the same KV state (`EngineKV`: a page pool per layer, one block table and one page
+allocator spanning every layer's KV heads):
 
-* the mixed step (`T = chunk` tokens per slot): every active slot feeds its uncached tokens, up to
-  `chunk` of them — a prompt chunk (chunked prefill over its cached prefix) or a single decode
-  token; rows are padded to `T`. Each attention layer allocates the pages the new tokens need
-  (`kv.alloc_batch`), writes k, v (`kv.write_kv`, quantising for FP8 pools), gathers the row's
-  pages (`kv.gather_kv`) and runs `attn.dense.attention` with `q_offset` = cached length;
-* the decode step (`T = 1`), used when every active slot decodes: the same allocation and write,
-  then `attn.paged_decode.paged_decode` straight on the pages.
+* the mixed step (`T = chunk` tokens per slot): every active slot feeds its uncached tokens, up
+  to `chunk` of them — a prompt chunk (chunked prefill over its cached prefix) or a single decode
+  token; rows are padded to `T`. Each attention layer writes k, v (`kv.write_kv`, quantising for
+  FP8 pools), gathers the row's pages (`kv.gather_kv`) and runs `attn.dense.attention` with
+  `q_offset` = cached length;
+* the decode step (`T = 1`), used when every active slot decodes: the same write, then
+  `attn.paged_decode.paged_decode` straight on the pages.
 
-After its attention, every layer releases the pages its streaming heads no longer see
-(`kv.recycle`). Policies are data: each request carries per-layer, per-KV-head `window` and
-`sinks` arrays (`Policy`), passed to the step as `[B, L, K]` int32, so requests with different
-policies share a batch and a compiled step (attention is vmapped over rows for per-row windows).
+Pages are allocated once before the layers (`kv.alloc_batch`) and released once after them
+(`kv.recycle`: streaming heads give back the pages outside sink + window), so 30 layers do not
+compile 30 allocators. Policies are data: each request carries per-layer, per-KV-head `window`
+and `sinks` arrays (`Policy`), passed to the step as `[B, L, K]` int32, so requests with
+different policies share a batch and a compiled step (attention is vmapped over rows for
+per-row windows).
 Sampling (greedy, temperature, top-k, top-p) runs inside the step on the last real token of each
 row; the key of the token at position `p` is `fold_in(key(seed), p)`, so a preempted request that
 is recomputed samples the very same tokens.
@@ -179,39 +182,58 @@ class Request:
 # Device side
 
 
-class LayerKV(NamedTuple):
-    """One attention layer's KV state: pages, per-head block tables and the page allocator."""
+class EngineKV(NamedTuple):
+    """The engine's KV state.
 
-    pool: kv.PagePool
+    Attributes:
+      pools: one `PagePool` per attention layer, `[K, num_pages, P, H]` each.
+      tables: `BlockTables` over `L * K` "heads" (`[B, L * K, max_pages]`): layer `l`, head `k`
+        is entry `l * K + k`. One table and one allocator for every layer, so the step allocates
+        once before the layers and recycles once after them (30 layers would otherwise compile
+        30 allocators); page ids of layer `l` index that layer's pool.
+      allocator: `PageAllocator` over the same `L * K` heads.
+    """
+
+    pools: list[kv.PagePool]
     tables: kv.BlockTables
     allocator: kv.PageAllocator
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedAttend:
-    """Engine attend: allocate, write this step's k, v into the pages, attend, recycle.
+    """Engine attend: write this step's k, v into the layer's pages, then attend over them.
+
+    The pages the new tokens need are allocated before the layers run (`table` already holds
+    them); the per-layer state is the layer's `PagePool`.
 
     Attributes:
       offsets: `[B]` int32 tokens cached before this step (position of token 0).
       num_new: `[B]` int32 real tokens of this step per row (0 = idle slot).
+      table: `[B, L * K, max_pages]` int32 block tables of every layer (see `EngineKV`).
       window: `[B, L, K]` int32 effective window per row, layer and head (`<= 0` full).
       sinks: `[B, L, K]` int32.
+      page_size: `P`.
       decode: True for the `T = 1` step (paged decode on the pages).
       implementation: attention backend.
     """
 
     offsets: Int[Array, "B"]  # noqa: F821
     num_new: Int[Array, "B"]  # noqa: F821
+    table: Int[Array, "B LK M"]
     window: Int[Array, "B L K"]
     sinks: Int[Array, "B L K"]
+    page_size: int
     decode: bool = False
     implementation: str = "auto"
 
-    def __call__(self, spec: AttendSpec, qkv: QKV, state: LayerKV):
-        pool, tables, allocator = state
+    def __call__(self, spec: AttendSpec, qkv: QKV, pool: kv.PagePool):
+        num_kv = pool.num_kv_heads
         lengths = self.offsets + self.num_new
         window, sinks = self.window[:, spec.layer], self.sinks[:, spec.layer]  # [B, K]
-        allocator, tables, _ = kv.alloc_batch(allocator, tables, kv.pages_needed(tables, lengths))
+        table = self.table[:, spec.layer * num_kv:(spec.layer + 1) * num_kv]  # [B, K, M]
+        zeros = jnp.zeros(table.shape[:2], jnp.int32)
+        tables = kv.BlockTables(table=table, extent=zeros, cursor=zeros,
+                                page_size=self.page_size)
         pool = kv.write_kv(pool, tables, qkv.k, qkv.v, self.offsets, self.num_new)
         if self.decode:
             def one(q, table, length, w, s):
@@ -220,7 +242,7 @@ class PagedAttend:
                                     v_scales=pool.v_scale, implementation=self.implementation)
                 return o[0]
 
-            o = jax.vmap(one)(qkv.q[:, 0], tables.table, lengths, window, sinks)[:, None]
+            o = jax.vmap(one)(qkv.q[:, 0], table, lengths, window, sinks)[:, None]
         else:
             k, v = kv.gather_kv(pool, tables, dtype=qkv.q.dtype)
 
@@ -231,8 +253,7 @@ class PagedAttend:
                 return o[0]
 
             o = jax.vmap(one)(qkv.q, k, v, self.offsets, lengths, window, sinks)
-        allocator, tables, _ = kv.recycle(allocator, tables, lengths, window=window, sinks=sinks)
-        return o, LayerKV(pool, tables, allocator)
+        return o, pool
 
 
 def sample(logits: Float[Array, "B V"], keys, temperature, top_k, top_p) -> Int[Array, "B"]:  # noqa: F821
@@ -269,10 +290,19 @@ def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds,
           top_k, top_p, *, decode, implementation, counter):
     counter["decode" if decode else "mixed"] += 1  # trace time only: counts compilations
     model = nnx.merge(graphdef, params)
+    pools, tables, allocator = states
+    batch, layers, num_kv = window.shape
+    lengths = offsets + num_new
+    allocator, tables, _ = kv.alloc_batch(allocator, tables, kv.pages_needed(tables, lengths))
     positions = offsets[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
-    attend = PagedAttend(offsets, num_new, window, sinks, decode=decode,
-                         implementation=implementation)
-    hidden, states = model.forward(ids, positions, attend=attend, states=states)
+    attend = PagedAttend(offsets, num_new, tables.table, window, sinks, tables.page_size,
+                         decode=decode, implementation=implementation)
+    hidden, pools = model.forward(ids, positions, attend=attend, states=pools)
+    # Streaming heads release the pages no later query sees (after every layer's attention).
+    allocator, tables, _ = kv.recycle(allocator, tables, lengths,
+                                      window=window.reshape(batch, layers * num_kv),
+                                      sinks=sinks.reshape(batch, layers * num_kv))
+    states = EngineKV(pools, tables, allocator)
     last = jnp.clip(num_new - 1, 0, ids.shape[1] - 1)
     h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [B, 1, D]
     logits = model.logits(h)[:, 0]
@@ -282,12 +312,9 @@ def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds,
     return tokens, logits.astype(jnp.float32), states
 
 
-def _free_rows(states, rows):
-    out = []
-    for st in states:
-        allocator, tables, _ = kv.free_batch(st.allocator, st.tables, rows)
-        out.append(LayerKV(st.pool, tables, allocator))
-    return out
+def _free_rows(states: EngineKV, rows) -> EngineKV:
+    allocator, tables, _ = kv.free_batch(states.allocator, states.tables, rows)
+    return EngineKV(states.pools, tables, allocator)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,14 +370,17 @@ class Engine:
         self._layer_window = np.array([c.window or 0 for c in cfgs], np.int32)[:, None]
         self._layer_sinks = np.array([c.sinks for c in cfgs], np.int32)[:, None]
 
-        self.states = [
-            LayerKV(kv.create_page_pool(num_kv_heads=c.num_kv_heads, num_pages=num_pages,
-                                        page_size=page_size, head_dim=c.head_dim,
-                                        value_head_dim=c.hv, dtype=self.kv_dtype),
-                    kv.create_block_tables(batch_size=batch_slots, num_kv_heads=c.num_kv_heads,
-                                           max_pages=self.max_pages, page_size=page_size),
-                    kv.create_allocator(num_kv_heads=c.num_kv_heads, num_pages=num_pages))
-            for c in cfgs]
+        if any(c.num_kv_heads != self.num_kv_heads for c in cfgs):
+            raise ValueError("the engine needs the same num_kv_heads in every layer; got "
+                             f"{[c.num_kv_heads for c in cfgs]}")
+        heads = self.num_layers * self.num_kv_heads
+        self.states = EngineKV(
+            [kv.create_page_pool(num_kv_heads=c.num_kv_heads, num_pages=num_pages,
+                                 page_size=page_size, head_dim=c.head_dim, value_head_dim=c.hv,
+                                 dtype=self.kv_dtype) for c in cfgs],
+            kv.create_block_tables(batch_size=batch_slots, num_kv_heads=heads,
+                                   max_pages=self.max_pages, page_size=page_size),
+            kv.create_allocator(num_kv_heads=heads, num_pages=num_pages))
         # Distinct buffers for every leaf (the constructors share zeros / ones), so the step can
         # donate the whole state.
         self.states = jax.tree.map(lambda x: jnp.array(x, copy=True), self.states)
@@ -554,7 +584,7 @@ class Engine:
 
     def page_bytes(self) -> int:
         """Bytes of one page of one head (keys, values, FP8 scales)."""
-        return kv.page_bytes(self.states[0].pool)
+        return kv.page_bytes(self.states.pools[0])
 
     def kv_bytes(self, row: int | None = None) -> np.ndarray:
         """KV bytes in use `[L, K]` per layer and head, of one slot or all (host mirror, no sync).
@@ -563,12 +593,23 @@ class Engine:
         return held.sum(axis=0) * self.page_bytes()
 
     def kv_usage(self) -> dict:
-        """KV bytes and pages in use per layer and head (`kv.kv_usage`; reads device state)."""
-        return kv.kv_usage([s.pool for s in self.states], [s.allocator for s in self.states])
+        """KV pages and bytes in use per layer and head (reads device state).
+
+        Returns:
+          dict as `kv.kv_usage`: `pages` and `bytes` `[L, K]` int64, `capacity_pages` `[L]`,
+          `total_bytes`.
+        """
+        shape = (self.num_layers, self.num_kv_heads)
+        pages = np.asarray(kv.pages_in_use(self.states.allocator), np.int64).reshape(shape)
+        per_page = np.asarray([kv.page_bytes(p) for p in self.states.pools], np.int64)[:, None]
+        return {"pages": pages, "bytes": pages * per_page,
+                "capacity_pages": np.full(self.num_layers, self.num_pages - 1, np.int64),
+                "total_bytes": int((pages * per_page).sum())}
 
     def free_pages(self) -> np.ndarray:
         """Device free-page counts `[L, K]` (reads device state)."""
-        return np.stack([np.asarray(kv.free_pages(s.allocator)) for s in self.states])
+        return np.asarray(kv.free_pages(self.states.allocator)).reshape(
+            self.num_layers, self.num_kv_heads)
 
 
 _jit_free = jax.jit(_free_rows, donate_argnums=0)
@@ -585,7 +626,7 @@ def _jit_step(graphdef, params, states, *args, decode, implementation):
 __all__ = [
     "TRACES",
     "Engine",
-    "LayerKV",
+    "EngineKV",
     "PagedAttend",
     "Policy",
     "Request",
