@@ -101,8 +101,9 @@ def test_all_problems_reported_together(ckpt):
 
 def test_unknown_architecture(ckpt):
     _edit_config(ckpt, lambda c: c.update(architectures=["FooForCausalLM"]))
-    with pytest.raises(ValueError, match=r"unsupported architecture 'FooForCausalLM'; "
-                                         r"supported: \[.*'LlamaForCausalLM', .*'Qwen3ForCausalLM'"):
+    expected = (r"unsupported architecture 'FooForCausalLM'; "
+                r"supported: \[.*'LlamaForCausalLM', .*'Qwen3ForCausalLM'")
+    with pytest.raises(ValueError, match=expected):
         models.from_pretrained(ckpt, progress=False)
 
 
