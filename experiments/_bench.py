@@ -34,6 +34,12 @@ def time_ms(fn: Callable, *args, iters: int = 10, trials: int = 5, warmup: int =
     return statistics.median(times)
 
 
+def rel_err(a, b) -> float:
+    """`||a - b|| / ||b||` in float32: the correctness figure every benchmark row carries."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
 def copy_bandwidth_tbs(num_bytes: int = 4 << 30) -> dict[str, float]:
     """Measured device copy bandwidth in TB/s (bytes read + bytes written per second).
 

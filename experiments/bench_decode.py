@@ -42,11 +42,6 @@ def _tables(rng, batch, kv_heads, max_pages, num_pages, per_head):
     return jnp.asarray(t, jnp.int32)
 
 
-def _rel_err(a, b):
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-
-
 def paged_rows(args, bw, rng) -> list[dict]:
     b, s, kh, h, p = args.batch, args.seq, args.kv_heads, args.head_dim, args.page
     max_pages = s // p
@@ -100,7 +95,7 @@ def paged_rows(args, bw, rng) -> list[dict]:
         anchor_ms, anchor_tokens = best_pallas_paged(q)
         anchor_fn = functools.partial(paged_attention.paged_attention, block_h=16,
                                       pages_per_compute_block=max(1, (anchor_tokens or 128) // p))
-        err = _rel_err(out, jax.jit(anchor_fn)(q * scale, k_pages, v_pages, uniform[:, 0],
+        err = _bench.rel_err(out, jax.jit(anchor_fn)(q * scale, k_pages, v_pages, uniform[:, 0],
                                                 lengths))
         ms = _bench.time_ms(ours, q, k_pages, v_pages, uniform, full, full)
         gqa_ms = _bench.time_ms(pallas_gqa, q, k_contig, v_contig)
@@ -121,7 +116,7 @@ def paged_rows(args, bw, rng) -> list[dict]:
             kernel="paged_decode_fp8", case=case.replace("bf16", f"fp8-sub{args.sub_block}"),
             ms=ms8, achieved=kv_bytes / 2 / ms8 / 1e9, unit="TB/s", ceiling=ceiling,
             anchor="ours bf16", anchor_ms=ms, goal="speedup_vs_anchor >= 1.7",
-            meets_goal=ms / ms8 >= 1.7, rel_err_vs_bf16=round(_rel_err(out8, out), 5)))
+            meets_goal=ms / ms8 >= 1.7, rel_err_vs_bf16=round(_bench.rel_err(out8, out), 5)))
 
     # Per-head tables: all heads full vs the uniform table; half the heads streaming.
     g = args.headwise_group

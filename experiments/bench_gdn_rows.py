@@ -60,11 +60,6 @@ def _gdn_inputs(rng, *, batch, nk, nv, h, hv):
     return q, k, v, g, beta, pool, slot_ids
 
 
-def _rel_err(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 def _stepper(step, steps: int = STEPS):
     """jit of `steps` unrolled `step(pool, x, *args) -> (x_next, pool)` calls; pool donated.
 
@@ -167,8 +162,8 @@ def gdn_decode_row(bw: dict, rng, *, shape: dict | None = None, anchors: bool = 
     live = np.asarray(slot_ids)
     o, o_ref = np.asarray(o, np.float32), np.asarray(o_ref, np.float32)
     state, state_ref = np.asarray(new_pool)[live], np.asarray(pool_ref)[live]
-    extra = dict(rel_err_o_vs_xla=round(_rel_err(o, o_ref), 7),
-                 rel_err_state_vs_xla=round(_rel_err(state, state_ref), 7),
+    extra = dict(rel_err_o_vs_xla=round(_bench.rel_err(o, o_ref), 7),
+                 rel_err_state_vs_xla=round(_bench.rel_err(state, state_ref), 7),
                  config=f"block_hv={cfg.block_hv} warps={cfg.num_warps}",
                  programs=b * nv * -(-hv // cfg.block_hv))
     del new_pool, pool_ref
@@ -183,8 +178,8 @@ def gdn_decode_row(bw: dict, rng, *, shape: dict | None = None, anchors: bool = 
             log.warning("XLA reference failed: %s", str(e).splitlines()[0])
         fla_ms, fla_out = _fla_ms(q, k, v, g, beta, pool_np[slot_ids])
         if fla_out is not None:
-            extra["fla_rel_err_o_vs_ours"] = round(_rel_err(fla_out[0], o), 7)
-            extra["fla_rel_err_state_vs_ours"] = round(_rel_err(fla_out[1], state), 7)
+            extra["fla_rel_err_o_vs_ours"] = round(_bench.rel_err(fla_out[0], o), 7)
+            extra["fla_rel_err_state_vs_ours"] = round(_bench.rel_err(fla_out[1], state), 7)
     extra["xla_ms"] = None if xla_ms is None else round(xla_ms, 4)
     extra["speedup_vs_xla"] = None if xla_ms is None else round(xla_ms / ms, 3)
     extra["fla_ms"] = None if fla_ms is None else round(fla_ms, 4)
@@ -226,7 +221,7 @@ def conv_update_row(bw: dict, rng, *, shape: dict | None = None, anchors: bool =
     y, new_pool = _stepper(_conv_step("triton", cfg), 1)(pool(), x, slot_ids, weight)
     y_ref, pool_ref = _stepper(_conv_step("xla"), 1)(pool(), x, slot_ids, weight)
     live = np.asarray(slot_ids)
-    extra = dict(rel_err_y_vs_xla=round(_rel_err(y, y_ref), 6),
+    extra = dict(rel_err_y_vs_xla=round(_bench.rel_err(y, y_ref), 6),
                  state_bitwise_equal_to_xla=bool(
                      (np.asarray(new_pool)[live] == np.asarray(pool_ref)[live]).all()),
                  config=f"block_c={cfg.block_c} warps={cfg.num_warps}")

@@ -64,11 +64,6 @@ def _queries(n, *, batch, kv_lora_rank, rope_dim, seed):
     return q_lat, q_pe
 
 
-def _rel_err(a, b):
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-
-
 def _matmul_tflops(size: int = 8192) -> float:
     """bf16 matmul rate through XLA, the compute ceiling of the N128 rows."""
     a = jax.random.normal(jax.random.key(2), (size, size), jnp.bfloat16)
@@ -150,7 +145,7 @@ def mla_rows(bw: dict, rng, *, shape: dict | None = None, heads=(16, 128),
                      pallas_mqa_proxy="jax pallas decode_attention.mqa (deprecated), contiguous "
                                       f"c_kv only: H={l}, no rope (L+R={l + r} unsupported)")
         if xla_out is not None:
-            extra["rel_err_vs_xla"] = round(_rel_err(out, xla_out), 5)
+            extra["rel_err_vs_xla"] = round(_bench.rel_err(out, xla_out), 5)
         case = f"B{b}-S{s // 1024}K-N{n}-L{l}-R{r}-P{p}"
         flops = 2 * b * n * s * (l + r) + 2 * b * n * s * l
         floor16 = max(bytes16 / ceiling / 1e9, flops / matmul / 1e9)
@@ -166,7 +161,7 @@ def mla_rows(bw: dict, rng, *, shape: dict | None = None, heads=(16, 128),
                 kernel="mla_decode_fp8", case=case + "-fp8-sub16", ms=ms8,
                 achieved=bytes8 / ms8 / 1e9, unit="TB/s", ceiling=ceiling, anchor="ours bf16",
                 anchor_ms=ms, goal="speedup_vs_anchor >= 1.5", meets_goal=ms / ms8 >= 1.5,
-                rel_err_vs_bf16=round(_rel_err(out8, out), 5)))
+                rel_err_vs_bf16=round(_bench.rel_err(out8, out), 5)))
         else:
             tf = flops / ms / 1e9
             rows.append(_bench.row(
@@ -180,7 +175,7 @@ def mla_rows(bw: dict, rng, *, shape: dict | None = None, heads=(16, 128),
                 achieved=flops / ms8 / 1e9, unit="TFLOP/s", ceiling=matmul, anchor="ours bf16",
                 anchor_ms=ms, goal="report", meets_goal=None,
                 fraction_of_floor=round(floor8 / ms8, 4),
-                rel_err_vs_bf16=round(_rel_err(out8, out), 5)))
+                rel_err_vs_bf16=round(_bench.rel_err(out8, out), 5)))
     return rows
 
 

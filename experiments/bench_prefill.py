@@ -65,11 +65,6 @@ def _qkv(seed, b, s, n, kh, h, dtype=jnp.bfloat16):
     return q, k, v
 
 
-def _rel_err(a, b) -> float:
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-
-
 def _ours(config, **options):
     """Our kernel, jitted; every array is an argument (a closed-over array is baked in)."""
     return jax.jit(lambda q, k, v: dense_triton.attention(q, k, v, config=config, **options)[0])
@@ -124,7 +119,7 @@ def flash_rows(args, ctx: Context) -> list[dict]:
         tflops = flops / ms / 1e9
         extra = {"config": dataclasses.asdict(ctx.config or dense_triton.default_config(h))}
         if anchor_out is not None:
-            extra["rel_err_vs_anchor"] = round(_rel_err(out, anchor_out), 5)
+            extra["rel_err_vs_anchor"] = round(_bench.rel_err(out, anchor_out), 5)
             extra["anchor_tflops"] = round(flops / anchor_ms / 1e9, 2)
         if note:
             extra["anchor_note"] = note
@@ -155,7 +150,7 @@ def window_rows(args, ctx: Context) -> list[dict]:
     no_sink_ms = _bench.time_ms(no_sink, q, k, v)
     extra["ours_no_sink_ms"] = round(no_sink_ms, 4)
     if anchor_out is not None:
-        extra["rel_err_vs_anchor_no_sink"] = round(_rel_err(no_sink(q, k, v), anchor_out), 5)
+        extra["rel_err_vs_anchor_no_sink"] = round(_bench.rel_err(no_sink(q, k, v), anchor_out), 5)
         extra["speedup_no_sink_vs_anchor"] = round(anchor_ms / no_sink_ms, 4)
         extra["anchor_tflops_on_its_pairs"] = round(
             4 * b * n * h * _window_pairs(s, w, 0) / anchor_ms / 1e9, 2)
@@ -202,7 +197,7 @@ def backward_rows(args, ctx: Context) -> list[dict]:
             except Exception as e:  # an anchor that cannot run is reported, not fatal
                 log.warning("cuDNN backward (gqa=%s): %s", gqa, str(e).splitlines()[0][:200])
                 continue
-            extra = {f"rel_err_d{x}_vs_anchor": round(_rel_err(a, r), 5)
+            extra = {f"rel_err_d{x}_vs_anchor": round(_bench.rel_err(a, r), 5)
                      for x, a, r in zip("qkv", grads, ref)}
             if not gqa:
                 extra["anchor_note"] = "K/V repeated to N heads"
@@ -273,7 +268,7 @@ def sweep(args) -> None:
             print(f"{name:16} failed: {str(e).splitlines()[0][:100]}")
             continue
         ratio = f"{anchor_ms / ms:8.3f}" if anchor_ms else " " * 8
-        err = f"{_rel_err(out, anchor_out):8.1e}" if anchor_out is not None else " " * 8
+        err = f"{_bench.rel_err(out, anchor_out):8.1e}" if anchor_out is not None else " " * 8
         print(f"{name:16} {ms:10.4f} {flops / ms / 1e9:8.1f} {ratio} {err} {wms:10.4f} "
               f"{wflops / wms / 1e9:8.1f}")
 
