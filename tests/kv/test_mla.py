@@ -50,7 +50,7 @@ def test_write_by_slot_mapping_matches_dense_reference():
         for b in range(B):
             ref[b, lengths[b]:lengths[b] + num_new[b]] = np.concatenate(
                 [c_kv[b, :num_new[b]], k_pe[b, :num_new[b]]], -1)
-        lengths += num_new
+        lengths = lengths + num_new  # a new array: jax may still read the old one (zero-copy)
     got = np.asarray(_gather(pool, t.table[:, 0]))
     for b in range(B):
         np.testing.assert_array_equal(got[b, :lengths[b]], ref[b, :lengths[b]])

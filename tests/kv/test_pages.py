@@ -90,7 +90,7 @@ def test_write_gather_matches_dense_reference(name):
             span = slice(lengths[b], lengths[b] + num_new[b])
             ref_k[b, span] = k_new[b, :num_new[b]]
             ref_v[b, span] = v_new[b, :num_new[b]]
-        lengths += num_new
+        lengths = lengths + num_new  # a new array: jax may still read the old one (zero-copy)
 
     got_k, got_v = (np.asarray(x, np.float32) for x in _gather(pool, t))
     table = np.asarray(t.table)
