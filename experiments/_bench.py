@@ -133,3 +133,28 @@ def print_table(rows: list[dict], cols: tuple[str, ...] = ("kernel", "case", "ms
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for r in rows:
         print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
+
+
+def writable_triton_cache() -> str:
+    """Point Triton's kernel cache at a writable folder before a torch-side anchor (fla) compiles.
+
+    On the GPU machine fla's first compile failed with "could not create or locate cache dir".
+    `TRITON_CACHE_DIR` (kept if it already names a writable folder) and, where this Triton has
+    it, `triton.knobs.cache.dir` both name the folder used.
+
+    Returns:
+      The folder used.
+    """
+    import tempfile
+
+    path = os.environ.get("TRITON_CACHE_DIR", "")
+    if not path or not os.access(path, os.W_OK):
+        path = tempfile.mkdtemp(prefix="triton-cache-")
+        os.environ["TRITON_CACHE_DIR"] = path
+    try:
+        import triton
+
+        triton.knobs.cache.dir = path
+    except (ImportError, AttributeError):
+        pass
+    return path

@@ -103,6 +103,7 @@ def _gdn_step(impl: str, config: gdn_triton.Config | None = None):
 def _fla_ms(q, k, v, g, beta, h0, *, iters: int = 20, trials: int = 5):
     """fla `fused_recurrent_gated_delta_rule` ms per call and its `(o, final_state)`, or
     `(None, None)` when fla or CUDA torch is missing or the call fails."""
+    _bench.writable_triton_cache()
     try:
         import torch
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
