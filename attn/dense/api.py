@@ -413,7 +413,146 @@ __all__ = [
     "attention",
     "attention_varlen",
     "masked_attention",
+    "paged_prefill_attention",
     "positions_from_cu_seqlens",
     "segment_ids_from_cu_seqlens",
     "visible_mask",
 ]
+
+
+_PREFILL_SUPPORTED = ("triton", "xla")  # `paged_prefill_attention` (attn/dense/triton_paged.py)
+_paged_prefill = jax.jit(reference.paged_prefill_attention)
+
+
+def _per_row_head_arg(name: str, x, batch: int, num_kv_heads: int, *, non_negative: bool):
+    """None, an int, `[K]` or `[B, K]` integer array (`window` / `sinks`) as a `[B, K]` array."""
+    if x is None:
+        x = 0
+    if _is_int(x):
+        if non_negative and x < 0:
+            raise ValueError(f"{name}={x} must be >= 0")
+        return np.full((batch, num_kv_heads), int(x), np.int32)
+    if not _is_array(x):
+        raise TypeError(f"{name}={x!r} (type {type(x).__name__}) must be None, an int or an "
+                        f"integer array of shape [K] or [B, K]")
+    _checks.check_integer(name, x)
+    if tuple(x.shape) not in ((num_kv_heads,), (batch, num_kv_heads)):
+        raise ValueError(f"{name}.shape={x.shape} must be [K]={[num_kv_heads]} or "
+                         f"[B, K]={[batch, num_kv_heads]}")
+    values = _checks.concrete(x)
+    if non_negative and values is not None and (values < 0).any():
+        raise ValueError(f"{name}={values.tolist()} must be >= 0")
+    if isinstance(x, np.ndarray):
+        return np.broadcast_to(x.astype(np.int32), (batch, num_kv_heads))
+    return jnp.broadcast_to(x.astype(jnp.int32), (batch, num_kv_heads))
+
+
+def paged_prefill_attention(
+    q: Float[Array, "B T N H"],
+    k_pages: Array,
+    v_pages: Array,
+    block_tables: Int[Array, "B K M"],
+    q_offset: int | Int[Array, " B"],
+    kv_lengths: Int[Array, " B"],
+    *,
+    scale: float | None = None,
+    window: int | Int[Array, " K"] | Int[Array, "B K"] | None = None,
+    sinks: int | Int[Array, " K"] | Int[Array, "B K"] | None = None,
+    k_scales: Float[Array, "K num_pages C"] | None = None,
+    v_scales: Float[Array, "K num_pages C"] | None = None,
+    implementation: str = "auto",
+) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
+    """Chunked prefill: a query chunk attends its row's paged cache (prefix + the chunk itself).
+
+    Query `t` of row `b` sits at position `q_offset[b] + t`. Key `s` of row `b` for KV head `k`
+    lives at `pages[k, block_tables[b, k, s // P], s % P]` and is visible iff `s <= q_pos`,
+    `s < kv_lengths[b]`, its table entry is not -1, and it lies inside the window of (row, head)
+    (`q_pos - window < s`, or `window <= 0`) or among its sinks (`s < sinks`). The chunk's own K/V
+    must already be in the pages (usually `kv_lengths = q_offset + T`). Query head `n` reads KV
+    head `n // (N // K)`. Exactly `attn.dense.attention` on the gathered cache with the same
+    `q_offset`, `kv_lengths`, window and sinks, with -1 pages masked (the reference does that).
+
+    Args:
+      q: `[B, T, N, H]` chunk queries (float32, bfloat16 or float16).
+      k_pages: `[K, num_pages, P, H]` key pages: float, or `float8_e4m3fn` with `k_scales`.
+      v_pages: `[K, num_pages, P, Hv]` value pages: float, or `float8_e4m3fn` with `v_scales`.
+      block_tables: `[B, K, M]` int32 per-head page ids; -1 = not allocated (read as the null
+        page 0 and masked).
+      q_offset: int or `[B]` int32: position of query 0 (the cached prefix length).
+      kv_lengths: `[B]` int32 tokens in the cache, the chunk's included; 0 = padding row.
+      scale: softmax scale, default `H ** -0.5`.
+      window: None, an int, `[K]` or `[B, K]` int32 (per request and head): most recent
+        positions visible, the query's own included; `<= 0` means full.
+      sinks: None, an int >= 0, `[K]` or `[B, K]` int32: keys `s < sinks` stay visible.
+      k_scales, v_scales: `[K, num_pages, P // sub_block]` float32 fp8 scales (`kv.fp8` layout),
+        required exactly when the matching pages are fp8.
+      implementation: `"xla"` (gather + dense reference), `"triton"` (reads the pages in the
+        kernel, `attn/dense/triton_paged.py`; its gradient is the reference's) or `"auto"`.
+
+    Returns:
+      `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`; a row with no visible key gives
+      exactly 0 and -inf.
+
+    Raises:
+      ValueError: ranks, shapes or sizes inconsistent (B, K, H, N % K, pages, scales), negative
+        offsets or sinks, lengths outside `[0, M * P]`, an unknown implementation.
+      TypeError: dtypes (q float; pages float or e4m3; tables, offsets, lengths, windows and sinks
+        integer; scales float32), a non-numeric scale.
+      NotImplementedError: `implementation="triton"` with options the kernel refuses (head dims
+        over 256, float pages in another dtype than q).
+    """
+    from attn.paged_decode import api as paged_api
+
+    _checks.check_rank("q", q, 4, "B T N H")
+    _checks.check_dtype("q", q, _FLOATS)
+    paged_api._check_pool("k_pages", k_pages, k_scales, "k_scales")
+    paged_api._check_pool("v_pages", v_pages, v_scales, "v_scales")
+    batch, _, num_heads, head_dim = q.shape
+    num_kv, num_pages, page, k_dim = k_pages.shape
+    if v_pages.shape[:3] != (num_kv, num_pages, page):
+        raise ValueError(f"v_pages.shape={v_pages.shape} must start with k_pages' "
+                         f"[K, num_pages, P]={(num_kv, num_pages, page)}")
+    _checks.check_same("q head dim H", head_dim, "k_pages head dim", k_dim)
+    _checks.check_divisible("num_heads N", num_heads, "num_kv_heads K", num_kv)
+    _checks.check_rank("block_tables", block_tables, 3, "B K M")
+    _checks.check_dtype("block_tables", block_tables, (jnp.int32,))
+    if block_tables.shape[:2] != (batch, num_kv):
+        raise ValueError(f"block_tables.shape={block_tables.shape} must be [B, K, M] with "
+                         f"[B, K]={(batch, num_kv)}")
+    max_tokens = block_tables.shape[2] * page
+    _checks.check_int32_addressable("k_pages", k_pages.shape)
+    _checks.check_int32_addressable("v_pages", v_pages.shape)
+    if _is_int(q_offset):
+        if q_offset < 0:
+            raise ValueError(f"q_offset={q_offset} must be >= 0")
+        q_offset = np.full((batch,), q_offset, np.int32)
+    elif _is_array(q_offset):
+        _check_int_array("q_offset", q_offset, (batch,), "B")
+        values = _checks.concrete(q_offset)
+        if values is not None and (values < 0).any():
+            raise ValueError(f"q_offset={values.tolist()} must be >= 0")
+    else:
+        raise TypeError(f"q_offset={q_offset!r} (type {type(q_offset).__name__}) must be an int "
+                        f"or an integer array of shape [B]")
+    if not _is_array(kv_lengths):
+        raise TypeError(f"kv_lengths={kv_lengths!r} must be an integer array of shape [B]")
+    _check_int_array("kv_lengths", kv_lengths, (batch,), "B")
+    values = _checks.concrete(kv_lengths)
+    if values is not None and ((values < 0) | (values > max_tokens)).any():
+        raise ValueError(f"kv_lengths={values.tolist()} must lie in [0, M * P = {max_tokens}]")
+    window = _per_row_head_arg("window", window, batch, num_kv, non_negative=False)
+    sinks = _per_row_head_arg("sinks", sinks, batch, num_kv, non_negative=True)
+    scale = _check_scale(scale, head_dim)
+    impl = resolve_implementation(implementation, supported=_PREFILL_SUPPORTED)
+    if impl == "triton":
+        from attn.dense import triton_paged as kernel
+
+        try:  # refuses unsupported options before launching anything
+            return kernel.paged_prefill_attention(
+                q, k_pages, v_pages, block_tables, q_offset, kv_lengths, scale=float(scale),
+                window=window, sinks=sinks, k_scales=k_scales, v_scales=v_scales)
+        except NotImplementedError:
+            if implementation == "triton":
+                raise
+    return _paged_prefill(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, scale=scale,
+                          window=window, sinks=sinks, k_scales=k_scales, v_scales=v_scales)

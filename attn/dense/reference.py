@@ -267,3 +267,62 @@ def attention_varlen(
         kv_valid=(kv_seg >= 0)[None])  # [1, Tq, K, Tk]
     out, lse = masked_attention(q[None], k[None], v[None], mask, scale=scale)
     return out[0], lse[0]
+
+
+def paged_prefill_attention(
+    q: Float[Array, "B T N H"],
+    k_pages: Array,
+    v_pages: Array,
+    block_tables: Int[Array, "B K M"],
+    q_offset: Int[Array, " B"],
+    kv_lengths: Int[Array, " B"],
+    *,
+    scale: float | Float[Array, ""] | None = None,
+    window: Int[Array, "B K"] | None = None,
+    sinks: Int[Array, "B K"] | None = None,
+    k_scales: Float[Array, "K num_pages C"] | None = None,
+    v_scales: Float[Array, "K num_pages C"] | None = None,
+) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
+    """Chunked prefill over a paged cache: gather the pages, then causal `masked_attention`.
+
+    Query `t` of row `b` sits at `q_offset[b] + t`; key `s` (token `s` of the row's cache, read at
+    `pages[k, block_tables[b, k, s // P], s % P]`) is visible to KV head `k` iff `s <= q_pos`,
+    `s < kv_lengths[b]`, its table entry is not -1, and it is inside the head's window or among its
+    sinks (as `visible_mask`, with `window[b, k]` / `sinks[b, k]` per row and head).
+
+    Args:
+      q: `[B, T, N, H]` queries of the chunk (their own K/V already written to the pages).
+      k_pages: `[K, num_pages, P, H]` (float, or e4m3 with `k_scales`).
+      v_pages: `[K, num_pages, P, Hv]` (float, or e4m3 with `v_scales`).
+      block_tables: `[B, K, M]` int32 per-head page ids; -1 = not allocated.
+      q_offset: `[B]` int32 position of query 0 (the cached prefix length).
+      kv_lengths: `[B]` int32 tokens in the cache, the chunk's included.
+      scale: softmax scale; default `H ** -0.5`.
+      window: `[B, K]` int32 window per row and head (`<= 0`: full), or None.
+      sinks: `[B, K]` int32 sink tokens per row and head, or None.
+      k_scales, v_scales: `[K, num_pages, P // sub_block]` fp8 scales, or None.
+
+    Returns:
+      `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`; rows with no visible key give 0
+      and -inf.
+    """
+    from attn.paged_decode.reference import gather_pages
+
+    batch, q_len = q.shape[:2]
+    num_kv, _, page, _ = k_pages.shape
+    k = gather_pages(k_pages, block_tables, k_scales, dtype=jnp.float32)  # [B, S, K, H]
+    v = gather_pages(v_pages, block_tables, v_scales, dtype=jnp.float32)  # [B, S, K, Hv]
+    kv_len = k.shape[1]
+    window = jnp.broadcast_to(jnp.asarray(0 if window is None else window, jnp.int32),
+                              (batch, num_kv))
+    sinks = jnp.broadcast_to(jnp.asarray(0 if sinks is None else sinks, jnp.int32),
+                             (batch, num_kv))
+
+    def row_mask(offset, length, w, sk):  # one row: [T, K, S]
+        return visible_mask(1, q_len, kv_len, num_kv, q_offset=offset[None], window=w, sinks=sk,
+                            kv_lengths=length[None])[0]
+
+    mask = jax.vmap(row_mask)(jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_lengths, jnp.int32),
+                              window, sinks)  # [B, T, K, S]
+    owned = jnp.repeat(block_tables >= 0, page, axis=-1)  # [B, K, S]
+    return masked_attention(q, k, v, mask & owned[:, None], scale=scale)

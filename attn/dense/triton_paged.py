@@ -1,0 +1,338 @@
+"""Triton chunked prefill over a paged cache: a query chunk attends its row's cached prefix and
+itself, reading K/V straight from head-major pages through per-head block tables.
+
+The structure is that of the dense flash forward (`attn/dense/triton.py`, whose key-range helpers
+it reuses): one program owns `BLOCK_M` folded rows of one KV head of one batch row, a row being a
+(query token, query head of that KV head's group) pair, so each K/V tile is read once for the
+whole group. It walks the key tiles some row sees — the sink tiles, the window's lower edge, the
+tiles every row sees whole, the causal diagonal — with an online softmax in base 2, fp32
+accumulators. A tile of `BLOCK_N` keys is gathered token by token through the table (a tile may
+span pages of any power-of-two size `P`; no dense copy of the cache is ever made). A -1 entry is
+read as the null page 0 and its tokens are masked (so are keys past `kv_lengths`), with their
+loads masked too: NaN in unowned pages never reaches an output. FP8 pages are dequantised in the
+kernel, tile by tile (`fp8.astype(f32) * scale` per token, then q's dtype for the tensor cores).
+
+Window and sinks are per (batch row, KV head), so a per-request policy (streaming heads of one
+request, full heads of another) runs in one launch; tiles outside every row's sink + window are
+never visited.
+
+Supports: any group size, `H` / `Hv` up to 256 (padded and masked), bf16 / f16 / f32 queries with
+pages of q's dtype, or fp8-e4m3 pages with fp32 sub-block scales. The kernel is forward only;
+`paged_prefill_attention` takes its gradient from the XLA reference (`with_reference_gradient`).
+Not supported (NotImplementedError): scale <= 0, head dims over 256, float pages in another dtype
+than q, one fp8 pool with one float pool.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from attn._harness import triton_call
+from attn.dense import reference
+from attn.dense.triton import _key_tiles, _visible
+
+LOG2E = math.log2(math.e)
+_MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """Launch configuration: `block_m` folded rows x `block_n` keys per step."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+
+
+def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
+    """The dense forward's Hopper tiles (128 rows x 64 keys, 8 warps) with 2 stages: the gathered
+    loads keep index registers live. Wide heads (> 128) take 32-key tiles. Not yet timed on the
+    GPU: `python -m experiments.bench_sparse_prefill` decides."""
+    if max(head_dim, value_head_dim or head_dim) > 128:
+        return Config(block_m=128, block_n=32, num_warps=8, num_stages=2)
+    return Config()
+
+
+@triton.jit
+def _paged_visit(
+    acc,  # [BLOCK_M, BLOCK_HV] f32
+    l,  # [BLOCK_M] f32
+    m,  # [BLOCK_M] f32 (base-2 scaled scores)
+    q,  # [BLOCK_M, BLOCK_H]
+    k_ptr,  # [K, NUM_PAGES, P, H]
+    v_ptr,  # [K, NUM_PAGES, P, HV]
+    k_scale_ptr,  # [K, NUM_PAGES, P // SUB] f32 (FP8 only)
+    v_scale_ptr,
+    table_row,  # -> block_tables[b, kh, 0]
+    kh,
+    pos,  # [BLOCK_M] absolute query positions
+    lo,  # first key (multiple of BLOCK_N)
+    hi,  # end key (multiple of BLOCK_N)
+    kv_len,
+    win,
+    sinks,
+    SCALE_LOG2: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    P: tl.constexpr,
+    NUM_PAGES: tl.constexpr,
+    SUB: tl.constexpr,
+    FP8: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_hv = tl.arange(0, BLOCK_HV)
+    mask_h = offs_h < H
+    mask_hv = offs_hv < HV
+    for start in range(lo, hi, BLOCK_N):
+        start = tl.multiple_of(start, BLOCK_N)
+        cols = start + offs_n  # [BLOCK_N] key positions
+        in_kv = cols < kv_len
+        page = tl.load(table_row + cols // P, mask=in_kv, other=-1)
+        ok = in_kv & (page >= 0)  # -1: not allocated (null page), masked
+        page_row = kh * NUM_PAGES + tl.where(page < 0, 0, page)  # [BLOCK_N] row of [K * pages]
+        tok = page_row.to(tl.int64) * P + cols % P  # [BLOCK_N] token rows of [K * pages * P]
+        k = tl.load(k_ptr + tok[:, None] * H + offs_h[None, :],  # [BLOCK_N, BLOCK_H]
+                    mask=ok[:, None] & mask_h[None, :], other=0.0)
+        v = tl.load(v_ptr + tok[:, None] * HV + offs_hv[None, :],  # [BLOCK_N, BLOCK_HV]
+                    mask=ok[:, None] & mask_hv[None, :], other=0.0)
+        if FP8:
+            srow = page_row.to(tl.int64) * (P // SUB) + (cols % P) // SUB
+            ks = tl.load(k_scale_ptr + srow, mask=ok, other=0.0)
+            vs = tl.load(v_scale_ptr + srow, mask=ok, other=0.0)
+            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
+        if MASKED:
+            visible = ok[None, :] & _visible(cols[None, :], pos[:, None], kv_len, win, sinks, True)
+        else:  # every row sees the tile's positions; only unallocated pages drop out
+            visible = ok[None, :]
+        s = tl.where(visible, qk * SCALE_LOG2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m - m_use)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m = m_new
+    return acc, l, m
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr,  # [B, T, N, H]
+    k_ptr,  # [K, NUM_PAGES, P, H]
+    v_ptr,  # [K, NUM_PAGES, P, HV]
+    table_ptr,  # [B, K, MAX_PAGES] int32
+    offset_ptr,  # [B] int32
+    len_ptr,  # [B] int32
+    window_ptr,  # [B, K] int32, <= 0: full
+    sink_ptr,  # [B, K] int32
+    k_scale_ptr,  # [K, NUM_PAGES, P // SUB] f32 (unused unless FP8)
+    v_scale_ptr,
+    o_ptr,  # [B, T, N, HV]
+    lse_ptr,  # [B, T, N] f32
+    SCALE_LOG2: tl.constexpr,
+    B: tl.constexpr,
+    T: tl.constexpr,
+    K: tl.constexpr,
+    G: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    P: tl.constexpr,
+    NUM_PAGES: tl.constexpr,
+    MAX_PAGES: tl.constexpr,
+    SUB: tl.constexpr,
+    FP8: tl.constexpr,
+    NUM_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Heads vary fastest; the last query tiles (most keys under the causal mask) start first.
+    pid = tl.program_id(0)
+    kh = pid % K
+    b = (pid // K) % B
+    mt = NUM_M - 1 - pid // (K * B)
+    N: tl.constexpr = K * G
+
+    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] folded (token, group head) rows
+    row_ok = rows < T * G
+    tok = rows // G
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_hv = tl.arange(0, BLOCK_HV)
+
+    q_off = tl.maximum(tl.load(offset_ptr + b), 0)
+    kv_len = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), MAX_PAGES * P)
+    pos = q_off + tok  # [BLOCK_M]
+    q_lo = q_off + (mt * BLOCK_M) // G
+    q_hi = q_off + tl.minimum((mt * BLOCK_M + BLOCK_M - 1) // G, T - 1)
+    sinks = tl.maximum(tl.load(sink_ptr + b * K + kh), 0)
+    win, sink_end, main_lo, full_lo, full_hi, end = _key_tiles(
+        q_lo, q_hi, kv_len, tl.load(window_ptr + b * K + kh), sinks, True, BLOCK_N)
+
+    q_rows = b.to(tl.int64) * (T * N) + tok * N + kh * G + rows % G  # [BLOCK_M] of [B * T * N]
+    q = tl.load(q_ptr + q_rows[:, None] * H + offs_h[None, :],  # [BLOCK_M, BLOCK_H]
+                mask=row_ok[:, None] & (offs_h < H)[None, :], other=0.0)
+    table_row = table_ptr + (b * K + kh) * MAX_PAGES
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
+    acc, l, m = _paged_visit(acc, l, m, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh,
+                             pos, 0, sink_end, kv_len, win, sinks, SCALE_LOG2, H, HV, P,
+                             NUM_PAGES, SUB, FP8, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+    acc, l, m = _paged_visit(acc, l, m, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh,
+                             pos, main_lo, full_lo, kv_len, win, sinks, SCALE_LOG2, H, HV, P,
+                             NUM_PAGES, SUB, FP8, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+    acc, l, m = _paged_visit(acc, l, m, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh,
+                             pos, full_lo, full_hi, kv_len, win, sinks, SCALE_LOG2, H, HV, P,
+                             NUM_PAGES, SUB, FP8, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+    acc, l, m = _paged_visit(acc, l, m, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh,
+                             pos, full_hi, end, kv_len, win, sinks, SCALE_LOG2, H, HV, P,
+                             NUM_PAGES, SUB, FP8, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+
+    empty = l == 0.0
+    safe_l = tl.where(empty, 1.0, l)
+    out = acc / safe_l[:, None]
+    lse = tl.where(empty, float("-inf"), (m + tl.log2(safe_l)) * 0.6931471805599453)
+    tl.store(o_ptr + q_rows[:, None] * HV + offs_hv[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_hv < HV)[None, :])
+    tl.store(lse_ptr + q_rows, lse, mask=row_ok)
+
+
+def check_supported(q, k_pages, v_pages, *, scale: float, k_scales=None, v_scales=None) -> None:
+    """Raise NotImplementedError for what the kernel does not do (the API then uses XLA)."""
+    h, hv = q.shape[-1], v_pages.shape[-1]
+    if not scale > 0:
+        raise NotImplementedError(f"{scale=}: the Triton paged prefill kernel needs a positive "
+                                  f"scale")
+    if max(h, hv) > _MAX_HEAD_DIM:
+        raise NotImplementedError(f"head dims H={h}, Hv={hv} over {_MAX_HEAD_DIM} are not "
+                                  f"supported by the Triton paged prefill kernel")
+    fp8 = k_scales is not None
+    if (v_scales is not None) != fp8 or k_pages.dtype != v_pages.dtype:
+        raise NotImplementedError(f"k_pages {k_pages.dtype} / v_pages {v_pages.dtype}: the Triton "
+                                  f"paged prefill kernel needs both pools fp8 or both float")
+    if not fp8 and jnp.dtype(k_pages.dtype) != jnp.dtype(q.dtype):
+        raise NotImplementedError(f"pages of {k_pages.dtype} with q of {q.dtype}: the Triton paged "
+                                  f"prefill kernel needs float pages in q's dtype (or fp8 pages)")
+
+
+def _launch(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sinks, k_scales,
+            v_scales, *, scale, config):
+    b, t, n, h = q.shape
+    kh, num_pages, p, _ = k_pages.shape
+    hv = v_pages.shape[-1]
+    fp8 = k_scales is not None
+    if not fp8:
+        k_scales = v_scales = jnp.zeros((1,), jnp.float32)
+    g = n // kh
+    num_m = triton.cdiv(t * g, config.block_m)
+    return triton_call(
+        q, k_pages, v_pages, block_tables.astype(jnp.int32),
+        jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (b,)),
+        jnp.broadcast_to(jnp.asarray(kv_lengths, jnp.int32), (b,)),
+        jnp.broadcast_to(jnp.asarray(window, jnp.int32), (b, kh)),
+        jnp.broadcast_to(jnp.asarray(sinks, jnp.int32), (b, kh)),
+        k_scales, v_scales,
+        kernel=_paged_prefill_kernel,
+        out_shape=(jax.ShapeDtypeStruct((b, t, n, hv), q.dtype),
+                   jax.ShapeDtypeStruct((b, t, n), jnp.float32)),
+        grid=(num_m * b * kh,),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        SCALE_LOG2=scale * LOG2E, B=b, T=t, K=kh, G=g, H=h, HV=hv, P=p, NUM_PAGES=num_pages,
+        MAX_PAGES=block_tables.shape[-1], SUB=p // k_scales.shape[-1] if fp8 else p, FP8=fp8,
+        NUM_M=num_m, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_HV=max(16, triton.next_power_of_2(hv)),
+        PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config"))
+def _paged_prefill(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sinks,
+                   k_scales, v_scales, *, scale, config):
+    def kernel_fn(*args):
+        return _launch(*args, scale=scale, config=config)
+
+    def reference_fn(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sinks,
+                     k_scales, v_scales):
+        return reference.paged_prefill_attention(
+            q, k_pages, v_pages, block_tables, q_offset, kv_lengths, scale=scale, window=window,
+            sinks=sinks, k_scales=k_scales, v_scales=v_scales)
+
+    b, kh = q.shape[0], k_pages.shape[0]
+    ints = [jnp.broadcast_to(jnp.asarray(x, jnp.int32), shape) for x, shape in (
+        (q_offset, (b,)), (kv_lengths, (b,)), (window, (b, kh)), (sinks, (b, kh)))]
+    return with_reference_gradient(kernel_fn, reference_fn)(
+        q, k_pages, v_pages, block_tables, *ints, k_scales, v_scales)
+
+
+def paged_prefill_attention(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, *,
+                            scale=None, window=0, sinks=0, k_scales=None, v_scales=None,
+                            config: Config | None = None):
+    """Paged chunked prefill through the kernel; arguments as
+    `attn.dense.paged_prefill_attention` (validated there): `q_offset`, `kv_lengths` int or `[B]`,
+    `window`, `sinks` int, `[K]` or `[B, K]`, `scale` a float (default `H ** -0.5`); plus
+    `config` (default: `default_config`). Differentiable: the backward is the XLA reference's.
+
+    Returns:
+      `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`.
+
+    Raises:
+      NotImplementedError: see `check_supported` (the caller falls back to XLA).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    check_supported(q, k_pages, v_pages, scale=scale, k_scales=k_scales, v_scales=v_scales)
+    if config is None:
+        config = default_config(q.shape[-1], v_pages.shape[-1])
+    return _paged_prefill(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sinks,
+                          k_scales, v_scales, scale=scale, config=config)
+
+
+def with_reference_gradient(kernel_fn, reference_fn):
+    """`kernel_fn` forward, the VJP of `reference_fn` (same arguments, same outputs) backward.
+
+    Forward-only kernels stay differentiable this way (`implementation="auto"` picks them on a
+    GPU): the backward recomputes the pure-jnp reference, so it costs the reference's memory.
+    Integer and bool arguments get `float0` cotangents, as `jax.vjp` gives them.
+    """
+
+    @jax.custom_vjp
+    def fn(*args):
+        return kernel_fn(*args)
+
+    def fwd(*args):
+        return kernel_fn(*args), args
+
+    def bwd(args, cotangents):
+        _, vjp = jax.vjp(reference_fn, *args)
+        return vjp(cotangents)
+
+    fn.defvjp(fwd, bwd)
+    return fn

@@ -1,0 +1,295 @@
+"""Chunked prefill over paged KV (`attn.dense.paged_prefill_attention`): the Triton kernel
+(interpreted on CPU, compiled on GPU) against the XLA reference, and the reference against dense
+attention on a gathered copy.
+
+Every problem scatters each row's tokens over random pages (different per KV head), leaves the rest
+of the table -1, and NaN-poisons every page no row owns (the null page 0 included): the kernel runs
+on the poisoned pool, the reference on the clean one. CPU tiles are 32 rows x 16 keys with 16-token
+pages, so tiles span pages and the sink / window-edge / full / diagonal ranges are all visited.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attn
+from attn import dense
+from attn.dense import paged_prefill_attention
+from attn.dense import triton_paged as kernel
+from attn.paged_decode.reference import gather_pages
+from kv import fp8
+from tests.utils import AttentionTestBase, assert_close, case_id, poison, randn, rng
+
+SMALL = kernel.Config(block_m=32, block_n=16)
+
+
+def _problem(gen, *, t, prefixes, kh, g, h=16, hv=16, p=16, dtype=jnp.float32, lengths=None):
+    """Random q, pages and per-head tables for rows with the given cached prefixes.
+
+    Returns `(q, k_pages, v_pages, tables, q_offset, kv_lengths, owned)`; `owned` is `[K, pages]`.
+    """
+    b = len(prefixes)
+    q_offset = np.asarray(prefixes, np.int32)
+    kv_lengths = q_offset + t if lengths is None else np.asarray(lengths, np.int32)
+    max_pages = -(-int(max(q_offset.max() + t, kv_lengths.max())) // p) + 1  # one spare column
+    num_pages = b * max_pages + 2
+    tables = np.full((b, kh, max_pages), -1, np.int32)
+    owned = np.zeros((kh, num_pages), bool)
+    for i in range(kh):
+        ids = gen.permutation(num_pages - 1)[: b * max_pages].reshape(b, max_pages) + 1
+        for r in range(b):
+            used = -(-int(kv_lengths[r]) // p)
+            tables[r, i, :used] = ids[r, :used]
+            owned[i, ids[r, :used]] = True
+    q = randn(gen, (b, t, kh * g, h), dtype)
+    k_pages = randn(gen, (kh, num_pages, p, h), dtype)
+    v_pages = randn(gen, (kh, num_pages, p, hv), dtype)
+    return q, k_pages, v_pages, jnp.asarray(tables), q_offset, kv_lengths, owned
+
+
+def _window_sinks(gen, b, kh, s):
+    """Per (row, head) windows in [-1, s) (<= 0: full) and sinks in [0, 24)."""
+    return (gen.integers(-1, max(s, 2), (b, kh)).astype(np.int32),
+            gen.integers(0, 24, (b, kh)).astype(np.int32))
+
+
+def _check(q, kp, vp, tables, q_offset, kv_lengths, owned, *, config=SMALL, dtype=None, **opts):
+    """Kernel on the poisoned pool vs reference on the clean one; masked rows exactly 0 / -inf."""
+    out, lse = kernel.paged_prefill_attention(
+        q, poison(kp, owned), poison(vp, owned), tables, q_offset, kv_lengths, config=config,
+        **opts)
+    exp_out, exp_lse = paged_prefill_attention(q, kp, vp, tables, q_offset, kv_lengths,
+                                               implementation="xla", **opts)
+    tol = {} if dtype is not None else dict(atol=2e-5, rtol=2e-5)
+    assert_close(out, exp_out, dtype=dtype, err_msg="out", **tol)
+    assert_close(lse, exp_lse, dtype=dtype, allow_neg_inf=True, err_msg="lse")
+    sees = np.isfinite(np.asarray(exp_lse))
+    AttentionTestBase.check_masked_rows(out, lse, sees)
+    return sees
+
+
+# (T, prefixes of the two rows, G, window + sinks): chunk lengths 1, 7, 64, 65; prefixes 0, 63,
+# 129; group sizes 1, 4, 7; every case has two rows at different offsets.
+EDGES = [
+    (1, (0, 5), 1, False),
+    (1, (129, 63), 7, True),
+    (7, (63, 0), 4, True),
+    (64, (0, 129), 1, True),
+    (64, (129, 17), 4, False),
+    (65, (63, 0), 7, True),
+    (65, (0, 63), 4, False),
+]
+
+
+@pytest.mark.parametrize("t,prefixes,g,windowed", EDGES, ids=[
+    case_id(T=c[0], prefix=c[1][0], G=c[2]) + ("-window-sinks" if c[3] else "-full")
+    for c in EDGES])
+def test_kernel_matches_reference(t, prefixes, g, windowed):
+    gen = rng()
+    kh = 2
+    q, kp, vp, tables, off, lens, owned = _problem(gen, t=t, prefixes=prefixes, kh=kh, g=g)
+    opts = dict(scale=0.3)
+    if windowed:
+        opts["window"], opts["sinks"] = _window_sinks(gen, len(prefixes), kh, int(lens.max()))
+    _check(q, kp, vp, tables, off, lens, owned, **opts)
+
+
+def test_padding_rows_and_short_lengths():
+    """Row 1 is padding (length 0: 0 / -inf); row 0's cache ends inside the chunk, so its late
+    queries see only the keys before the length; row 2 has a window of 1 and no sinks."""
+    gen = rng()
+    q, kp, vp, tables, off, lens, owned = _problem(gen, t=20, prefixes=(40, 10, 33), kh=1, g=3,
+                                                   lengths=(50, 0, 53))
+    window = np.array([[0], [0], [1]], np.int32)
+    sees = _check(q, kp, vp, tables, off, lens, owned, scale=0.25, window=window)
+    assert not sees[1].any() and sees[0].all() and sees[2].all()
+
+
+def test_reference_is_dense_attention_on_the_gathered_cache():
+    """Independent formulation: gather the pages, then `attn.dense.attention` row by row."""
+    gen = rng()
+    kh, g = 2, 2
+    q, kp, vp, tables, off, lens, _ = _problem(gen, t=9, prefixes=(30, 3), kh=kh, g=g)
+    window, sinks = _window_sinks(gen, 2, kh, 40)
+    out, lse = paged_prefill_attention(q, kp, vp, tables, off, lens, window=window, sinks=sinks,
+                                       implementation="xla")
+    k, v = gather_pages(kp, tables), gather_pages(vp, tables)  # [B, S, K, H]
+    for r in range(2):
+        exp_out, exp_lse = dense.attention(
+            q[r:r + 1], k[r:r + 1], v[r:r + 1], q_offset=int(off[r]), window=window[r],
+            sinks=sinks[r], kv_lengths=lens[r:r + 1], implementation="xla")
+        assert_close(out[r:r + 1], exp_out)
+        assert_close(lse[r:r + 1], exp_lse, allow_neg_inf=True)
+
+
+def test_streaming_head_reads_no_recycled_page():
+    """Head 0 keeps only its sink page and the pages its window needs; the rest are -1 and NaN.
+    Result equals the full table's (those keys were invisible anyway)."""
+    gen = rng()
+    p, t, prefix = 16, 16, 112
+    q, kp, vp, tables, off, lens, owned = _problem(gen, t=t, prefixes=(prefix,), kh=2, g=2, p=p)
+    window, sinks = np.array([[20, 0]], np.int32), np.array([[5, 0]], np.int32)
+    # Queries sit at 112..127 and see keys > 92 in head 0: pages 5..7 and the sink page 0.
+    recycled = np.asarray(tables).copy()
+    dropped = recycled[0, 0, 1:5].copy()
+    recycled[0, 0, 1:5] = -1
+    keep = owned.copy()
+    keep[0, dropped] = False
+    out, lse = kernel.paged_prefill_attention(
+        q, poison(kp, keep), poison(vp, keep), jnp.asarray(recycled), off, lens, scale=0.3,
+        window=window, sinks=sinks, config=SMALL)
+    exp_out, exp_lse = paged_prefill_attention(q, kp, vp, tables, off, lens, scale=0.3,
+                                               window=window, sinks=sinks, implementation="xla")
+    assert_close(out, exp_out)
+    assert_close(lse, exp_lse)
+
+
+@pytest.mark.parametrize("sub_block", [4, 16])
+def test_fp8_pages_dequantised_in_kernel(sub_block):
+    gen = rng()
+    kh = 2
+    q, kp, vp, tables, off, lens, owned = _problem(gen, t=24, prefixes=(40, 7), kh=kh, g=3,
+                                                   dtype=jnp.bfloat16)
+    kq, ks = fp8.quantize(poison(kp, owned, 0.0), sub_block)
+    vq, vs = fp8.quantize(poison(vp, owned, 0.0), sub_block)
+    window, sinks = _window_sinks(gen, 2, kh, 64)
+    opts = dict(window=window, sinks=sinks, k_scales=ks, v_scales=vs)
+    # NaN scales on unowned pages: a dequantised NaN must not leak either.
+    ks_nan, vs_nan = poison(ks, owned), poison(vs, owned)
+    out, lse = kernel.paged_prefill_attention(q, kq, vq, tables, off, lens, scale=0.25,
+                                              config=SMALL, **(opts | dict(k_scales=ks_nan,
+                                                                            v_scales=vs_nan)))
+    exp_out, exp_lse = paged_prefill_attention(q, kq, vq, tables, off, lens, scale=0.25,
+                                               implementation="xla", **opts)
+    assert_close(out, exp_out, dtype=jnp.bfloat16)
+    assert_close(lse, exp_lse, dtype=jnp.bfloat16, allow_neg_inf=True)
+
+
+def test_bf16_default_config_and_uniform_window():
+    gen = rng()
+    q, kp, vp, tables, off, lens, owned = _problem(gen, t=33, prefixes=(100, 0), kh=1, g=4,
+                                                   dtype=jnp.bfloat16, h=32, hv=24)
+    _check(q, kp, vp, tables, off, lens, owned, config=None, dtype=jnp.bfloat16, window=40,
+           sinks=3)
+
+
+def test_public_api_dispatch_gradient_and_auto_fallback(monkeypatch):
+    gen = rng()
+    q, kp, vp, tables, off, lens, _ = _problem(gen, t=5, prefixes=(11, 2), kh=1, g=2)
+    args = (q, kp, vp, tables, off, lens)
+    opts = dict(window=np.array([6], np.int32), sinks=2)
+    out, lse = paged_prefill_attention(*args, implementation="triton", **opts)
+    exp_out, exp_lse = paged_prefill_attention(*args, implementation="xla", **opts)
+    assert_close(out, exp_out)
+    assert_close(lse, exp_lse)
+
+    # The kernel path is differentiable (the reference's VJP) in q and the pages.
+    def loss(impl):
+        return lambda q, kp, vp: jnp.sum(paged_prefill_attention(
+            q, kp, vp, tables, off, lens, implementation=impl, **opts)[0] ** 2)
+    got = jax.grad(loss("triton"), (0, 1, 2))(q, kp, vp)
+    exp = jax.grad(loss("xla"), (0, 1, 2))(q, kp, vp)
+    for a, e in zip(got, exp):
+        assert_close(a, e)
+
+    wide = _problem(gen, t=2, prefixes=(3,), kh=1, g=1, h=272, hv=16)[:6]
+    with pytest.raises(NotImplementedError, match="head dims"):
+        paged_prefill_attention(*wide, implementation="triton")
+    monkeypatch.setattr(attn._harness, "on_gpu", lambda: True)
+    out, _ = paged_prefill_attention(*wide, implementation="auto")  # falls back to XLA
+    monkeypatch.undo()
+    assert_close(out, paged_prefill_attention(*wide, implementation="xla")[0])
+
+
+def test_validation_errors():
+    gen = rng()
+    q, kp, vp, tables, off, lens, _ = _problem(gen, t=3, prefixes=(4, 1), kh=2, g=2)
+    call = paged_prefill_attention
+    with pytest.raises(ValueError, match="q must have shape"):
+        call(q[0], kp, vp, tables, off, lens)
+    with pytest.raises(TypeError, match="q.dtype"):
+        call(q.astype(jnp.int32), kp, vp, tables, off, lens)
+    with pytest.raises(ValueError, match="num_heads N=3 must be divisible"):
+        call(q[:, :, :3], kp, vp, tables, off, lens)
+    with pytest.raises(ValueError, match="block_tables.shape"):
+        call(q, kp, vp, tables[:, :1], off, lens)
+    with pytest.raises(TypeError, match="block_tables.dtype"):
+        call(q, kp, vp, tables.astype(jnp.int16), off, lens)
+    with pytest.raises(ValueError, match="v_pages.shape"):
+        call(q, kp, vp[:, :1], tables, off, lens)
+    with pytest.raises(ValueError, match="q head dim H"):
+        call(q[..., :8], kp, vp, tables, off, lens)
+    with pytest.raises(ValueError, match="q_offset=-1"):
+        call(q, kp, vp, tables, -1, lens)
+    with pytest.raises(ValueError, match=r"q_offset=\[-2, 0\]"):
+        call(q, kp, vp, tables, np.array([-2, 0], np.int32), lens)
+    with pytest.raises(TypeError, match="q_offset"):
+        call(q, kp, vp, tables, 1.5, lens)
+    with pytest.raises(TypeError, match="kv_lengths"):
+        call(q, kp, vp, tables, off, 7)
+    with pytest.raises(ValueError, match="kv_lengths.*must lie in"):
+        call(q, kp, vp, tables, off, np.array([4, 10_000], np.int32))
+    with pytest.raises(ValueError, match="window.shape"):
+        call(q, kp, vp, tables, off, lens, window=np.zeros((3,), np.int32))
+    with pytest.raises(ValueError, match="sinks=-1"):
+        call(q, kp, vp, tables, off, lens, sinks=-1)
+    with pytest.raises(ValueError, match=r"sinks=\[\[0, -3\]"):
+        call(q, kp, vp, tables, off, lens, sinks=np.array([[0, -3], [0, 0]], np.int32))
+    with pytest.raises(TypeError, match="window"):
+        call(q, kp, vp, tables, off, lens, window="full")
+    with pytest.raises(ValueError, match="needs k_scales"):
+        call(q, kp.astype(jnp.float8_e4m3fn), vp, tables, off, lens)
+    with pytest.raises(TypeError, match="scale"):
+        call(q, kp, vp, tables, off, lens, scale="big")
+    with pytest.raises(ValueError, match="implementation"):
+        call(q, kp, vp, tables, off, lens, implementation="cuda")
+    with pytest.raises(NotImplementedError, match="positive scale"):
+        kernel.paged_prefill_attention(q, kp, vp, tables, off, lens, scale=-1.0)
+    with pytest.raises(NotImplementedError, match="q's dtype"):
+        kernel.paged_prefill_attention(q.astype(jnp.bfloat16), kp, vp, tables, off, lens,
+                                       scale=1.0)
+    with pytest.raises(ValueError, match="block_m"):
+        kernel.Config(block_m=48)
+    with pytest.raises(ValueError, match="num_warps"):
+        kernel.Config(num_warps=3)
+
+
+# GPU: realistic shapes, bf16 / fp8 pages against the float32 reference.
+
+GPU_CASES = {
+    "prefix4K-chunk1K-P16": dict(t=1024, prefixes=(4096, 1500), p=16, window=False),
+    "prefix4K-chunk1K-P64-window": dict(t=1024, prefixes=(4096, 3000), p=64, window=True),
+    "prefix2K-chunk2K-P128": dict(t=2048, prefixes=(2048,), p=128, window=False),
+    "chunk1-P32": dict(t=1, prefixes=(5000, 17), p=32, window=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+@pytest.mark.parametrize("g", [1, 4, 7])
+def test_gpu_matches_reference(name, g):
+    c = GPU_CASES[name]
+    gen = rng()
+    kh = 4
+    q, kp, vp, tables, off, lens, owned = _problem(
+        gen, t=c["t"], prefixes=c["prefixes"], kh=kh, g=g, h=128, hv=128, p=c["p"],
+        dtype=jnp.bfloat16)
+    opts = dict(scale=128**-0.5)
+    if c["window"]:
+        window, sinks = _window_sinks(gen, len(c["prefixes"]), kh, int(lens.max()))
+        opts |= dict(window=window, sinks=sinks)
+    run = jax.jit(lambda *a: kernel.paged_prefill_attention(*a, **opts))
+    out, lse = run(q, poison(kp, owned), poison(vp, owned), tables, off, lens)
+    f32 = dict(q=q.astype(jnp.float32), kp=kp.astype(jnp.float32), vp=vp.astype(jnp.float32))
+    exp_out, exp_lse = paged_prefill_attention(f32["q"], f32["kp"], f32["vp"], tables, off, lens,
+                                               implementation="xla", **opts)
+    assert_close(out, exp_out, dtype=jnp.bfloat16)
+    assert_close(lse, exp_lse, atol=1e-2, rtol=1e-3, allow_neg_inf=True)
+    kq, ks = fp8.quantize(kp, 16)
+    vq, vs = fp8.quantize(vp, 16)
+    out8, _ = kernel.paged_prefill_attention(q, kq, vq, tables, off, lens, k_scales=ks,
+                                             v_scales=vs, **opts)
+    exp8, _ = paged_prefill_attention(f32["q"], kq, vq, tables, off, lens, k_scales=ks,
+                                      v_scales=vs, implementation="xla", **opts)
+    assert_close(out8, exp8, dtype=jnp.bfloat16)
