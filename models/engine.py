@@ -1,36 +1,59 @@
 """Generation engine: paged KV, fixed batch slots, chunked prefill, continuous batching, sampling.
 
 Design. The device side is two jitted step functions with static shapes, both over `B` batch
-slots and the same KV state (`EngineKV`: a page pool per layer, one block table and one page
-allocator spanning every layer's KV heads):
+slots and the same state (`EngineKV`: one state per model layer, one block table and one page
+allocator spanning every paged layer's KV heads):
 
 * the mixed step (`T = chunk` tokens per slot): every active slot feeds its uncached tokens, up
   to `chunk` of them — a prompt chunk (chunked prefill over its cached prefix) or a single decode
-  token; rows are padded to `T`. Each attention layer writes k, v (`kv.write_kv`, quantising for
-  FP8 pools), gathers the row's pages (`kv.gather_kv`) and runs `attn.dense.attention` with
-  `q_offset` = cached length;
-* the decode step (`T = 1`), used when every active slot decodes: the same write, then
-  `attn.paged_decode.paged_decode` straight on the pages.
+  token; rows are padded to `T`;
+* the decode step (`T = 1`), used when every active slot decodes.
 
-Pages are allocated once before the layers (`kv.alloc_batch`) and released once after them
-(`kv.recycle`: streaming heads give back the pages outside sink + window), so 30 layers do not
-compile 30 allocators. Policies are data: each request carries per-layer, per-KV-head `window`
-and `sinks` arrays (`Policy`), passed to the step as `[B, L, K]` int32, so requests with
-different policies share a batch and a compiled step (attention is vmapped over rows for
-per-row windows).
+Every layer kind keeps its own per-layer state, and the model's layers reach it through the one
+attend object the step hands to `CausalLM.forward` (`PagedAttend`):
+
+* softmax attention (Llama, Qwen3, Qwen3-Next / Qwen3.5 gated attention): a `kv.PagePool`
+  `[K, num_pages, P, H]`; the layer writes k, v (`kv.write_kv`, quantising for FP8 pools), then the
+  mixed step gathers the row's pages (`kv.gather_kv`) and runs `attn.dense.attention` with
+  `q_offset` = cached length, the decode step runs `attn.paged_decode.paged_decode` on the pages;
+* MLA (DeepSeek-V2 / V3, `attend.mla_attend`): a `kv.LatentPool` `[num_pages, P, L + R]` (one
+  latent "head"); `[c_kv ‖ k_pe]` is written by slot mapping (`kv.write_latent`), the mixed step
+  runs `attn.mla.mla_absorbed_attention` over the gathered latent (`kv.gather_latent`), the decode
+  step `absorb_query` → `mla_paged_decode` → `expand_output`;
+* Gated DeltaNet (Qwen3-Next / Qwen3.5 linear-attention layers, `attend.gdn_mix`): a
+  `kv.SlotPool` (conv `[B + 1, C, W - 1]`, ssm `[B + 1, Nv, H, Hv]` float32). Batch row `r` owns
+  slot `r + 1` for good; idle rows use the null slot 0, so their writes go nowhere and the state of
+  the row they would stand for stays bit-for-bit unchanged. A row whose request starts (cached
+  length 0: a new request, or one recomputed after preemption) reads zeros whatever its slot holds
+  (`has_initial_state`), and freeing a row zeroes its slot. The mixed step runs the causal conv
+  from the slot's conv state and keeps, as the new conv state, the last `W - 1` inputs before the
+  row's `num_new`-th token; padding tokens enter the chunked delta rule
+  (`attn.gdn.gdn_prefill_pool`) as zero q / k / v / g / beta, which leaves the state unchanged. The
+  decode step runs `causal_conv1d_update_pool` and `gdn_decode_pool`.
+
+Pages of the paged layers (attention and MLA; `K` heads per layer, 1 for MLA) are allocated once
+before the layers (`kv.alloc_batch`) and released once after them (`kv.recycle`: streaming heads
+give back the pages outside sink + window), so 30 layers do not compile 30 allocators. Policies
+are data: each request carries per-layer, per-KV-head `window` and `sinks` arrays (`Policy`,
+`[L, K]` in model layer indices; entries of GDN layers are ignored, MLA layers cannot hold a
+window), passed to the step as `[B, L, K]` int32, so requests with different policies share a
+batch and a compiled step (attention is vmapped over rows for per-row windows).
 Sampling (greedy, temperature, top-k, top-p) runs inside the step on the last real token of each
 row; the key of the token at position `p` is `fold_in(key(seed), p)`, so a preempted request that
 is recomputed samples the very same tokens.
 
 The host scheduler holds every count: which request sits in which slot, how many of its tokens
-are cached, and a NumPy mirror of every layer's page accounting (extent, recycle cursor, free
-pages per head), so it knows before a step whether the pools can hold it — no device value is
-read inside or before a step. When they cannot, the most recently admitted request is preempted:
-its pages are freed (`kv.free_batch`) and it goes back to the front of the queue with prompt +
-generated tokens as its new prompt, recomputed when pages free up.
+are cached, and a NumPy mirror of every paged layer's page accounting (extent, recycle cursor,
+free pages per head), so it knows before a step whether the pools can hold it — no device value
+is read inside or before a step. When they cannot, the most recently admitted request is
+preempted: its pages are freed and its GDN slots zeroed (`kv.free_batch`, `kv.reset_slots`, one
+jitted call) and it goes back to the front of the queue with prompt + generated tokens as its new
+prompt, recomputed when pages free up. GDN state needs no scheduling: every row has its slot.
 
-Not done here: GDN / MLA families (attention-only models: Llama, Qwen3), XAttention / elastic
-modes, prefix sharing, speculative decoding, multi-device sharding of the step.
+Not done here: an FP8 MLA latent cache and windows / sinks on MLA layers (the MLA ops have
+neither; both are refused with a ValueError), paged layers with different KV head counts in one
+model, models without any paged layer, XAttention / elastic modes, prefix sharing (GDN state
+would need snapshots at page borders), speculative decoding, multi-device sharding of the step.
 """
 
 from __future__ import annotations
@@ -49,9 +72,14 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import kv
+from attn.conv1d import causal_conv1d, causal_conv1d_update_pool
 from attn.dense import attention
+from attn.gdn import gdn_decode_pool, gdn_prefill_pool
+from attn.mla import absorb_query, expand_output, mla_absorbed_attention, mla_paged_decode
 from attn.paged_decode import paged_decode
 from models.layers.attention import QKV, AttendSpec, Attention
+from models.layers.gdn import GatedDeltaNet, GDNInputs, GDNSpec, split_qkv
+from models.layers.mla import MLAProjection, MLASpec, MLAttention
 
 FP8 = jnp.float8_e4m3fn
 
@@ -161,6 +189,9 @@ class Request:
       done: finished (stop token or max tokens).
       preemptions: how often it was preempted and recomputed.
       prefill_tokens: tokens it fed through the mixed (prefill) step, recomputation included.
+      cached: tokens of `tokens` in the cache.
+      row: the batch slot it occupies, or last occupied (its row of `Engine.last_logits`); None
+        before its first admission.
     """
 
     prompt: list[int]
@@ -172,6 +203,7 @@ class Request:
     preemptions: int = 0
     prefill_tokens: int = 0
     cached: int = 0  # tokens of `tokens` in the KV cache
+    row: int | None = None  # batch slot it occupies (or last occupied); None before admission
 
     @property
     def tokens(self) -> list[int]:
@@ -183,37 +215,53 @@ class Request:
 
 
 class EngineKV(NamedTuple):
-    """The engine's KV state.
+    """The engine's device state.
 
     Attributes:
-      pools: one `PagePool` per attention layer, `[K, num_pages, P, H]` each.
-      tables: `BlockTables` over `L * K` "heads" (`[B, L * K, max_pages]`): layer `l`, head `k`
-        is entry `l * K + k`. One table and one allocator for every layer, so the step allocates
-        once before the layers and recycles once after them (30 layers would otherwise compile
-        30 allocators); page ids of layer `l` index that layer's pool.
-      allocator: `PageAllocator` over the same `L * K` heads.
+      pools: one state per model layer: a `kv.PagePool` `[K, num_pages, P, H]` (attention), a
+        `kv.LatentPool` `[num_pages, P, L + R]` (MLA) or a `kv.SlotPool` (GDN: conv
+        `[B + 1, C, W - 1]`, ssm `[B + 1, Nv, H, Hv]` float32; row `r` owns slot `r + 1`).
+      tables: `BlockTables` over the paged (attention / MLA) layers' heads, `[B, Lp * K,
+        max_pages]`: the `p`-th paged layer (in model order), head `k` is entry `p * K + k`. One
+        table and one allocator for every layer, so the step allocates once before the layers and
+        recycles once after them (30 layers would otherwise compile 30 allocators); page ids of a
+        layer index that layer's pool.
+      allocator: `PageAllocator` over the same `Lp * K` heads.
     """
 
-    pools: list[kv.PagePool]
+    pools: list[Any]
     tables: kv.BlockTables
     allocator: kv.PageAllocator
 
 
+def _paged_layers(pools) -> tuple[int, ...]:
+    """Model indices of the layers that hold pages (attention and MLA), in model order."""
+    return tuple(i for i, p in enumerate(pools) if isinstance(p, kv.PagePool | kv.LatentPool))
+
+
+def _xla_or_auto(implementation: str) -> str:
+    """Backend of the GDN / MLA ops: `"xla"` if asked for, else their own `"auto"` choice."""
+    return "xla" if implementation == "xla" else "auto"
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedAttend:
-    """Engine attend: write this step's k, v into the layer's pages, then attend over them.
+    """Engine attend: write this step's keys / latents / recurrent inputs into each layer's state,
+    then attend (or mix) over it.
 
     The pages the new tokens need are allocated before the layers run (`table` already holds
-    them); the per-layer state is the layer's `PagePool`.
+    them). Attention layers call the object itself (state: the layer's `PagePool`), MLA layers
+    `mla_attend` (a `LatentPool`), GDN layers `gdn_mix` (a `SlotPool`).
 
     Attributes:
       offsets: `[B]` int32 tokens cached before this step (position of token 0).
       num_new: `[B]` int32 real tokens of this step per row (0 = idle slot).
-      table: `[B, L * K, max_pages]` int32 block tables of every layer (see `EngineKV`).
+      table: `[B, Lp * K, max_pages]` int32 block tables of every paged layer (see `EngineKV`).
       window: `[B, L, K]` int32 effective window per row, layer and head (`<= 0` full).
       sinks: `[B, L, K]` int32.
       page_size: `P`.
-      decode: True for the `T = 1` step (paged decode on the pages).
+      paged: static model indices of the paged layers (`p`-th entry: table block `p`).
+      decode: True for the `T = 1` step (paged decode on the pages, one-token GDN update).
       implementation: attention backend.
     """
 
@@ -223,14 +271,19 @@ class PagedAttend:
     window: Int[Array, "B L K"]
     sinks: Int[Array, "B L K"]
     page_size: int
+    paged: tuple[int, ...] = ()
     decode: bool = False
     implementation: str = "auto"
+
+    def _table(self, layer: int, num_kv: int) -> Int[Array, "B K M"]:
+        p = self.paged.index(layer) if self.paged else layer
+        return self.table[:, p * num_kv:(p + 1) * num_kv]
 
     def __call__(self, spec: AttendSpec, qkv: QKV, pool: kv.PagePool):
         num_kv = pool.num_kv_heads
         lengths = self.offsets + self.num_new
         window, sinks = self.window[:, spec.layer], self.sinks[:, spec.layer]  # [B, K]
-        table = self.table[:, spec.layer * num_kv:(spec.layer + 1) * num_kv]  # [B, K, M]
+        table = self._table(spec.layer, num_kv)  # [B, K, M]
         zeros = jnp.zeros(table.shape[:2], jnp.int32)
         tables = kv.BlockTables(table=table, extent=zeros, cursor=zeros,
                                 page_size=self.page_size)
@@ -254,6 +307,69 @@ class PagedAttend:
 
             o = jax.vmap(one)(qkv.q, k, v, self.offsets, lengths, window, sinks)
         return o, pool
+
+    def mla_attend(self, spec: MLASpec, proj: MLAProjection, pool: kv.LatentPool):
+        """MLA over the paged latent cache (windows are refused by the engine, never seen here).
+        """
+        impl = _xla_or_auto(self.implementation)
+        table = self._table(spec.layer, 1)[:, 0]  # [B, M]
+        lengths = self.offsets + self.num_new
+        t = proj.c_kv.shape[1]
+        slots = kv.latent_slot_mapping(table, self.offsets, self.num_new, num_tokens=t,
+                                       page_size=self.page_size)
+        pool = kv.write_latent(pool, proj.c_kv, proj.k_pe, slots)
+        if self.decode:
+            q_lat = absorb_query(proj.q_nope[:, 0], proj.w_uk)
+            o_lat, _ = mla_paged_decode(q_lat, proj.q_pe[:, 0], pool.pages, table, lengths,
+                                        kv_lora_rank=spec.kv_lora_rank, scale=spec.scale,
+                                        implementation=impl)
+            return expand_output(o_lat, proj.w_uv)[:, None], pool
+        latent = kv.gather_latent(pool, table).astype(proj.c_kv.dtype)  # [B, S, L + R]
+        lr = spec.kv_lora_rank
+        o, _ = mla_absorbed_attention(proj.q_nope, proj.q_pe, latent[..., :lr], latent[..., lr:],
+                                      proj.w_uk, proj.w_uv, scale=spec.scale,
+                                      q_offset=self.offsets, kv_lengths=lengths,
+                                      implementation=impl)
+        return o, pool
+
+    def gdn_mix(self, spec: GDNSpec, inputs: GDNInputs, pool: kv.SlotPool):
+        """Conv + gated delta rule from / into the rows' slots (row r: slot r + 1; idle rows: the
+        null slot 0). Rows starting a request (offset 0) start from zeros."""
+        impl = _xla_or_auto(self.implementation)
+        b, t, _ = inputs.x.shape
+        rows = jnp.arange(b, dtype=jnp.int32)
+        slots = jnp.where(self.num_new > 0, rows + 1, kv.NULL_SLOT)
+        has_state = self.offsets > 0
+        if self.decode:
+            y, conv_pool = causal_conv1d_update_pool(
+                inputs.x[:, 0], pool.conv, slots, inputs.conv_weight, activation="silu",
+                has_initial_state=has_state, implementation=impl)
+            q, k, v = split_qkv(spec, y[:, None])
+            o, ssm_pool = gdn_decode_pool(q, k, v, inputs.g, inputs.beta, pool.ssm, slots,
+                                          has_initial_state=has_state, scale=spec.scale,
+                                          use_qk_l2norm=True, implementation=impl)
+            return o, pool.replace(conv=conv_pool, ssm=ssm_pool)
+        valid = jnp.arange(t, dtype=jnp.int32)[None, :] < self.num_new[:, None]  # [B, T]
+        conv0, _ = kv.read_slots(pool, slots, has_state)
+        x = jnp.where(valid[..., None], inputs.x, jnp.zeros((), inputs.x.dtype))
+        y, _ = causal_conv1d(x, inputs.conv_weight, initial_state=conv0, activation="silu",
+                             implementation=impl)
+        # New conv state: the last W - 1 inputs before token num_new of xe = [state ‖ x].
+        xe = jnp.concatenate([jnp.swapaxes(conv0, 1, 2).astype(x.dtype), x], axis=1)
+        idx = self.num_new[:, None] + jnp.arange(spec.conv_width - 1, dtype=jnp.int32)[None]
+        conv = jnp.swapaxes(jnp.take_along_axis(xe, idx[..., None], axis=1), 1, 2)
+        q, k, v = split_qkv(spec, y)
+        # Padding tokens: zero q / k / v / g / beta leave the recurrent state unchanged.
+        q, k, v = (jnp.where(valid[..., None, None], a, jnp.zeros((), a.dtype)) for a in (q, k, v))
+        g = jnp.where(valid[..., None], inputs.g, 0.0)
+        beta = jnp.where(valid[..., None], inputs.beta, 0.0)
+        o, ssm_pool = gdn_prefill_pool(q, k, v, g, beta, pool.ssm, slots,
+                                       has_initial_state=has_state, scale=spec.scale,
+                                       use_qk_l2norm=True, chunk_size=spec.chunk_size,
+                                       implementation=impl)
+        drop = jnp.where(slots > 0, slots, pool.num_slots)  # idle rows write nothing
+        conv_pool = pool.conv.at[drop].set(conv.astype(pool.conv.dtype), mode="drop")
+        return o, pool.replace(conv=conv_pool, ssm=ssm_pool)
 
 
 def sample(logits: Float[Array, "B V"], keys, temperature, top_k, top_p) -> Int[Array, "B"]:  # noqa: F821
@@ -291,17 +407,19 @@ def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds,
     counter["decode" if decode else "mixed"] += 1  # trace time only: counts compilations
     model = nnx.merge(graphdef, params)
     pools, tables, allocator = states
-    batch, layers, num_kv = window.shape
+    batch = window.shape[0]
+    paged = _paged_layers(pools)
     lengths = offsets + num_new
     allocator, tables, _ = kv.alloc_batch(allocator, tables, kv.pages_needed(tables, lengths))
     positions = offsets[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
     attend = PagedAttend(offsets, num_new, tables.table, window, sinks, tables.page_size,
-                         decode=decode, implementation=implementation)
+                         paged=paged, decode=decode, implementation=implementation)
     hidden, pools = model.forward(ids, positions, attend=attend, states=pools)
     # Streaming heads release the pages no later query sees (after every layer's attention).
+    index = np.asarray(paged)
     allocator, tables, _ = kv.recycle(allocator, tables, lengths,
-                                      window=window.reshape(batch, layers * num_kv),
-                                      sinks=sinks.reshape(batch, layers * num_kv))
+                                      window=window[:, index].reshape(batch, -1),
+                                      sinks=sinks[:, index].reshape(batch, -1))
     states = EngineKV(pools, tables, allocator)
     last = jnp.clip(num_new - 1, 0, ids.shape[1] - 1)
     h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [B, 1, D]
@@ -313,8 +431,12 @@ def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds,
 
 
 def _free_rows(states: EngineKV, rows) -> EngineKV:
+    """Free the pages of the rows in `rows` (`[B]` bool) and zero their GDN slots."""
     allocator, tables, _ = kv.free_batch(states.allocator, states.tables, rows)
-    return EngineKV(states.pools, tables, allocator)
+    slots = jnp.where(rows, jnp.arange(rows.shape[0], dtype=jnp.int32) + 1, kv.NULL_SLOT)
+    pools = [kv.reset_slots(p, slots) if isinstance(p, kv.SlotPool) else p
+             for p in states.pools]
+    return EngineKV(pools, tables, allocator)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,36 +447,61 @@ class Engine:
     """Continuous-batching generation over `batch_slots` slots with paged, per-head KV.
 
     Args:
-      model: a `models` CausalLM whose layers are all softmax attention (Llama, Qwen3).
+      model: a `models` CausalLM whose layers are softmax attention (Llama, Qwen3, gated
+        attention), MLA (DeepSeek-V2 / V3) or Gated DeltaNet (Qwen3-Next / Qwen3.5 hybrids).
       batch_slots: `B`, requests running at once.
       max_len: longest sequence (prompt + generated) a request may reach.
       page_size: `P` tokens per page.
-      num_pages: pages per layer and head, null page included; default enough for every slot at
-        `max_len` (so preemption never happens).
+      num_pages: pages per paged layer and head, null page included; default enough for every
+        slot at `max_len` (so preemption never happens).
       chunk: `T` of the mixed step: prompt tokens per slot and step (chunked prefill).
-      kv_dtype: page dtype (default the model dtype; `jnp.float8_e4m3fn` for FP8 pools).
+      kv_dtype: page dtype of attention layers and of the MLA latent (default the model dtype;
+        `jnp.float8_e4m3fn` for FP8 attention pools, not for MLA). GDN state keeps the model
+        dtype (conv) and float32 (ssm).
       policy: default `Policy` of requests without one (default dense).
-      implementation: attention backend (`"auto"`, `"xla"`, ...).
+      implementation: attention backend (`"auto"`, `"xla"`, ...); the GDN and MLA ops use `"xla"`
+        if it is `"xla"`, else their own `"auto"` choice.
+
+    Attributes:
+      layer_kinds: per model layer `"attention"`, `"mla"` or `"gdn"`.
+      paged_layers: model indices of the layers with pages (attention and MLA).
+      num_kv_heads: `K` of every paged layer (1 for MLA); policies are `[num_layers, K]`.
 
     Raises:
-      ValueError: non-attention layers, or sizes that cannot work.
+      ValueError: an unsupported mixer, paged layers with different KV head counts, no paged
+        layer, an FP8 MLA latent, a default policy the layers cannot honour, or sizes that
+        cannot work.
     """
 
     def __init__(self, model, *, batch_slots: int = 4, max_len: int = 1024, page_size: int = 16,
                  num_pages: int | None = None, chunk: int = 128, kv_dtype=None,
                  policy: Policy | None = None, implementation: str = "auto"):
         mixers = [layer.mixer for layer in model.layers]
-        if not all(type(m) is Attention for m in mixers):
-            bad = sorted({type(m).__name__ for m in mixers if type(m) is not Attention})
-            raise ValueError(f"the engine runs attention-only models; got mixers {bad}")
+        kinds = []
+        for i, m in enumerate(mixers):
+            kind = next((k for cls, k in _KINDS if isinstance(m, cls)), None)
+            if kind is None:
+                raise ValueError(
+                    f"layer {i} has a {type(m).__name__} mixer; the engine runs attention, MLA "
+                    f"and Gated DeltaNet layers ({', '.join(c.__name__ for c, _ in _KINDS)})")
+            kinds.append(kind)
         for name, value in (("batch_slots", batch_slots), ("max_len", max_len),
                             ("page_size", page_size), ("chunk", chunk)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
-        cfgs = [m.cfg for m in mixers]
         self.model = model
-        self.num_layers = len(cfgs)
-        self.num_kv_heads = cfgs[0].num_kv_heads
+        self.layer_kinds = tuple(kinds)
+        self.num_layers = len(mixers)
+        self.paged_layers = tuple(i for i, k in enumerate(kinds) if k != "gdn")
+        if not self.paged_layers:
+            raise ValueError("the engine needs at least one attention or MLA layer (it pages "
+                             "their KV); this model has only Gated DeltaNet layers")
+        heads_per_layer = {i: (mixers[i].cfg.num_kv_heads if kinds[i] == "attention" else 1)
+                           for i in self.paged_layers}
+        if len(set(heads_per_layer.values())) != 1:
+            raise ValueError("the engine needs the same num_kv_heads in every attention / MLA "
+                             f"layer (MLA: 1); got {heads_per_layer} per layer")
+        self.num_kv_heads = heads_per_layer[self.paged_layers[0]]
         self.batch_slots, self.max_len, self.page_size, self.chunk = (
             batch_slots, max_len, page_size, chunk)
         self.max_pages = -(-max_len // page_size)
@@ -364,38 +511,60 @@ class Engine:
             raise ValueError(f"{num_pages=} must be >= 2 (page 0 is null)")
         self.num_pages = num_pages
         self.kv_dtype = jnp.dtype(kv_dtype if kv_dtype is not None else model.dtype)
-        self.policy = policy or Policy.dense(self.num_layers, self.num_kv_heads)
+        if "mla" in kinds and self.kv_dtype.itemsize == 1:
+            raise ValueError(f"kv_dtype={self.kv_dtype}: MLA layers have no FP8 latent cache; "
+                             f"use a 16- or 32-bit kv_dtype for {type(model).__name__}")
         self.implementation = implementation
         # Layer-configured windows (e.g. Qwen3 sliding layers) apply where a policy says "full".
-        self._layer_window = np.array([c.window or 0 for c in cfgs], np.int32)[:, None]
-        self._layer_sinks = np.array([c.sinks for c in cfgs], np.int32)[:, None]
+        cfgs = [m.cfg if k == "attention" else None for m, k in zip(mixers, kinds)]
+        self._layer_window = np.array([c.window or 0 if c else 0 for c in cfgs], np.int32)[:, None]
+        self._layer_sinks = np.array([c.sinks if c else 0 for c in cfgs], np.int32)[:, None]
+        self.policy = policy or Policy.dense(self.num_layers, self.num_kv_heads)
+        self._check_policy(self.policy)
 
-        if any(c.num_kv_heads != self.num_kv_heads for c in cfgs):
-            raise ValueError("the engine needs the same num_kv_heads in every layer; got "
-                             f"{[c.num_kv_heads for c in cfgs]}")
-        heads = self.num_layers * self.num_kv_heads
+        pools = []
+        for m, kind in zip(mixers, kinds):
+            if kind == "attention":
+                c = m.cfg
+                pools.append(kv.create_page_pool(
+                    num_kv_heads=c.num_kv_heads, num_pages=num_pages, page_size=page_size,
+                    head_dim=c.head_dim, value_head_dim=c.hv, dtype=self.kv_dtype))
+            elif kind == "mla":
+                c = m.cfg
+                pools.append(kv.create_latent_pool(
+                    num_pages=num_pages, page_size=page_size, kv_lora_rank=c.kv_lora_rank,
+                    rope_dim=c.qk_rope_head_dim, dtype=self.kv_dtype))
+            else:
+                c = m.cfg
+                pools.append(kv.create_slot_pool(
+                    num_slots=batch_slots + 1, conv_dim=c.conv_dim, conv_width=c.conv_width,
+                    num_v_heads=c.num_v_heads, head_k_dim=c.head_k_dim, head_v_dim=c.head_v_dim,
+                    dtype=model.dtype))
+        heads = len(self.paged_layers) * self.num_kv_heads
         self.states = EngineKV(
-            [kv.create_page_pool(num_kv_heads=c.num_kv_heads, num_pages=num_pages,
-                                 page_size=page_size, head_dim=c.head_dim, value_head_dim=c.hv,
-                                 dtype=self.kv_dtype) for c in cfgs],
+            pools,
             kv.create_block_tables(batch_size=batch_slots, num_kv_heads=heads,
                                    max_pages=self.max_pages, page_size=page_size),
             kv.create_allocator(num_kv_heads=heads, num_pages=num_pages))
         # Distinct buffers for every leaf (the constructors share zeros / ones), so the step can
         # donate the whole state.
         self.states = jax.tree.map(lambda x: jnp.array(x, copy=True), self.states)
+        sizes = np.asarray([_state_bytes(p) for p in pools], np.int64)  # [L, 2]
+        self._layer_page_bytes, self._layer_slot_bytes = sizes[:, 0], sizes[:, 1]
         self._graphdef, self._params = nnx.split(model)
         self._step = functools.partial(_jit_step, implementation=implementation)
         self._free = _jit_free
 
-        # Host mirror of the page accounting, per slot, layer and head.
-        shape = (batch_slots, self.num_layers, self.num_kv_heads)
+        # Host mirror of the page accounting, per slot, paged layer and head.
+        shape = (batch_slots, len(self.paged_layers), self.num_kv_heads)
+        self._paged_index = np.asarray(self.paged_layers)
         self._extent = np.zeros(shape, np.int64)
         self._cursor = np.zeros(shape, np.int64)
         self._released = np.zeros(shape, np.int64)
         self._free_count = np.full(shape[1:], num_pages - 1, np.int64)
-        self._win = np.zeros(shape, np.int32)
-        self._sinks = np.zeros(shape, np.int32)
+        # Effective policy per slot, every model layer (GDN rows are zero).
+        self._win = np.zeros((batch_slots, self.num_layers, self.num_kv_heads), np.int32)
+        self._sinks = np.zeros_like(self._win)
         self.slots: list[Request | None] = [None] * batch_slots
         self.waiting: collections.deque[Request] = collections.deque()
         self.finished: list[Request] = []
@@ -418,20 +587,33 @@ class Engine:
             raise ValueError(f"prompt ({len(request.prompt)}) + max_tokens "
                              f"({request.params.max_tokens}) = {total} exceeds "
                              f"max_len={self.max_len}")
-        policy = request.policy or self.policy
-        if policy.window.shape != (self.num_layers, self.num_kv_heads):
-            raise ValueError(f"policy shape {policy.window.shape} must be [L, K] = "
-                             f"{(self.num_layers, self.num_kv_heads)}")
+        self._check_policy(request.policy or self.policy)
         if request.id is None:
             request.id = next(self._ids)
         self.waiting.append(request)
         return request
 
+    def _check_policy(self, policy: Policy) -> None:
+        """Shape `[L, K]`, and no window on a layer kind that cannot honour it (MLA)."""
+        if policy.window.shape != (self.num_layers, self.num_kv_heads):
+            raise ValueError(f"policy shape {policy.window.shape} must be [L, K] = "
+                             f"{(self.num_layers, self.num_kv_heads)}")
+        for layer, kind in enumerate(self.layer_kinds):
+            if kind == "mla" and np.any(policy.window[layer] > 0):
+                raise ValueError(
+                    f"policy {policy.name!r} asks for window {policy.window[layer].tolist()} on "
+                    f"layer {layer}, an MLA layer: the MLA latent cache supports no sliding "
+                    f"window (use window <= 0 on MLA layers)")
+
     def _effective(self, request: Request) -> tuple[np.ndarray, np.ndarray]:
+        """Effective `[L, K]` window and sinks (layer windows where the policy is full; GDN 0)."""
         p = request.policy or self.policy
         full = p.window <= 0
-        return (np.where(full, self._layer_window, p.window).astype(np.int32),
-                np.where(full, self._layer_sinks, p.sinks).astype(np.int32))
+        gdn = np.array([k == "gdn" for k in self.layer_kinds])[:, None]
+        window = np.where(full, self._layer_window, p.window)
+        sinks = np.where(full, self._layer_sinks, p.sinks)
+        return (np.where(gdn, 0, window).astype(np.int32),
+                np.where(gdn, 0, sinks).astype(np.int32))
 
     @property
     def idle(self) -> bool:
@@ -440,7 +622,7 @@ class Engine:
     # -- host page mirror ----------------------------------------------------------------------
 
     def _demand(self, row: int, new_len: int) -> np.ndarray:
-        """Pages `[L, K]` the row must allocate to reach `new_len` tokens."""
+        """Pages `[Lp, K]` (paged layers) the row must allocate to reach `new_len` tokens."""
         return np.maximum(-(-new_len // self.page_size) - self._extent[row], 0)
 
     def _commit(self, row: int, new_len: int) -> None:
@@ -449,7 +631,7 @@ class Engine:
         self._extent[row] += n
         self._free_count -= n
         size = self.page_size
-        w, s = self._win[row], self._sinks[row]
+        w, s = self._win[row][self._paged_index], self._sinks[row][self._paged_index]
         lo = np.maximum(-(-s // size), self._cursor[row])
         hi = np.minimum(np.maximum(new_len - w, 0) // size, self._extent[row])
         go = (w > 0) & (hi > lo)
@@ -463,8 +645,10 @@ class Engine:
         self._extent[row] = self._cursor[row] = self._released[row] = 0
 
     def pages_held(self) -> np.ndarray:
-        """Host view `[B, L, K]` of the pages each slot holds."""
-        return self._extent - self._released
+        """Host view `[B, L, K]` of the pages each slot holds (GDN layers: 0, they hold none)."""
+        held = np.zeros((self.batch_slots, self.num_layers, self.num_kv_heads), np.int64)
+        held[:, self._paged_index] = self._extent - self._released
+        return held
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -491,6 +675,7 @@ class Engine:
             if self.slots[row] is None and self.waiting:
                 req = self.waiting.popleft()
                 self.slots[row] = req
+                req.row = row
                 self._order[row] = next(self._admitted)
                 self._win[row], self._sinks[row] = self._effective(req)
         while True:
@@ -583,35 +768,67 @@ class Engine:
     # -- accounting ----------------------------------------------------------------------------
 
     def page_bytes(self) -> int:
-        """Bytes of one page of one head (keys, values, FP8 scales)."""
-        return kv.page_bytes(self.states.pools[0])
+        """Bytes of one page of one head of the first paged layer (keys, values, FP8 scales; an
+        MLA page: `P * (L + R)` latent values)."""
+        return int(self._layer_page_bytes[self.paged_layers[0]])
 
     def kv_bytes(self, row: int | None = None) -> np.ndarray:
         """KV bytes in use `[L, K]` per layer and head, of one slot or all (host mirror, no sync).
+
+        GDN layers hold no pages (0 here); their state is `state_bytes`.
         """
         held = self.pages_held() if row is None else self.pages_held()[row][None]
-        return held.sum(axis=0) * self.page_bytes()
+        return held.sum(axis=0) * self._layer_page_bytes[:, None]
+
+    def state_bytes(self, row: int | None = None) -> np.ndarray:
+        """GDN state bytes in use `[L]` per layer (conv + ssm slot of every occupied slot, or of
+        slot `row` if it is occupied); 0 for paged layers. Host side, no sync."""
+        rows = range(self.batch_slots) if row is None else [row]
+        busy = sum(self.slots[r] is not None for r in rows)
+        return busy * self._layer_slot_bytes
 
     def kv_usage(self) -> dict:
         """KV pages and bytes in use per layer and head (reads device state).
 
         Returns:
-          dict as `kv.kv_usage`: `pages` and `bytes` `[L, K]` int64, `capacity_pages` `[L]`,
-          `total_bytes`.
+          dict with `pages` and `bytes` `[L, K]` int64 (pages in use and their bytes; 0 on GDN
+          layers), `capacity_pages` `[L]` (allocatable pages per head; 0 on GDN layers),
+          `state_bytes` `[L]` int64 (GDN conv + ssm state of the occupied slots; 0 on paged
+          layers), `state_capacity_bytes` `[L]` (every GDN slot but the null one), and
+          `total_bytes` (pages and GDN state together).
         """
-        shape = (self.num_layers, self.num_kv_heads)
-        pages = np.asarray(kv.pages_in_use(self.states.allocator), np.int64).reshape(shape)
-        per_page = np.asarray([kv.page_bytes(p) for p in self.states.pools], np.int64)[:, None]
-        return {"pages": pages, "bytes": pages * per_page,
-                "capacity_pages": np.full(self.num_layers, self.num_pages - 1, np.int64),
-                "total_bytes": int((pages * per_page).sum())}
+        pages = np.zeros((self.num_layers, self.num_kv_heads), np.int64)
+        pages[self._paged_index] = np.asarray(
+            kv.pages_in_use(self.states.allocator), np.int64).reshape(-1, self.num_kv_heads)
+        used = pages * self._layer_page_bytes[:, None]
+        state = self.state_bytes()
+        paged = np.isin(np.arange(self.num_layers), self._paged_index)
+        return {"pages": pages, "bytes": used,
+                "capacity_pages": np.where(paged, self.num_pages - 1, 0).astype(np.int64),
+                "state_bytes": state,
+                "state_capacity_bytes": self.batch_slots * self._layer_slot_bytes,
+                "total_bytes": int(used.sum() + state.sum())}
 
     def free_pages(self) -> np.ndarray:
-        """Device free-page counts `[L, K]` (reads device state)."""
-        return np.asarray(kv.free_pages(self.states.allocator)).reshape(
-            self.num_layers, self.num_kv_heads)
+        """Device free-page counts `[L, K]` (reads device state; 0 on GDN layers, which have no
+        pages)."""
+        free = np.zeros((self.num_layers, self.num_kv_heads), np.int64)
+        free[self._paged_index] = np.asarray(
+            kv.free_pages(self.states.allocator), np.int64).reshape(-1, self.num_kv_heads)
+        return free
 
 
+def _state_bytes(pool) -> tuple[int, int]:
+    """`(bytes of one page of one head, bytes of one GDN slot)` of a layer's state."""
+    if isinstance(pool, kv.PagePool):
+        return kv.page_bytes(pool), 0
+    if isinstance(pool, kv.LatentPool):
+        return pool.page_size * pool.pages.shape[-1] * pool.pages.dtype.itemsize, 0
+    per_slot = sum(x[0].size * x.dtype.itemsize for x in (pool.conv, pool.ssm))
+    return 0, int(per_slot)
+
+
+_KINDS = ((Attention, "attention"), (MLAttention, "mla"), (GatedDeltaNet, "gdn"))
 _jit_free = jax.jit(_free_rows, donate_argnums=0)
 TRACES = collections.Counter()  # ("mixed" | "decode") -> times the step was traced (compiled)
 

@@ -215,7 +215,7 @@ def test_fp8_kv_close_to_full_precision(llama):
 def test_engine_errors(llama):
     with pytest.raises(ValueError, match="chunk=0"):
         Engine(llama, chunk=0)
-    with pytest.raises(ValueError, match="attention-only"):
+    with pytest.raises(ValueError, match="layer 0 has a object mixer"):
         Engine(_FakeModel())
     engine = Engine(llama, **SHAPE)
     with pytest.raises(ValueError, match="exceeds max_len=256"):
