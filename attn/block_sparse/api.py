@@ -1,8 +1,9 @@
 """Public block-sparse attention with per-head modes: validation once, then the chosen backend.
 
-Only the `xla` reference exists so far; `implementation="triton"` / `"mosaic"` raise
-NotImplementedError (so `auto` picks `xla`). Values of traced arguments (modes, lengths, per-head
-sink / local counts) cannot be checked under `jit`; they are checked when concrete.
+`block_sparse_attention` has the `xla` reference and a Triton kernel
+(`attn/block_sparse/triton.py`, forward only, its gradient the reference's); `auto` picks the
+kernel on a GPU. Values of traced arguments (modes, lengths, per-head sink / local counts) cannot
+be checked under `jit`; they are checked when concrete.
 """
 
 import jax
@@ -194,7 +195,9 @@ def block_sparse_attention(
       q_lengths: `[B]` int32 valid queries per request; rows past it give 0 / -inf. Default T.
       kv_lengths: `[B]` int32 valid keys per request; keys past it are never read. Default S.
       scale: softmax scale; default `H ** -0.5`.
-      implementation: `"xla"` or `"auto"` (a GPU kernel is not written yet).
+      implementation: `"xla"`, `"triton"` (`attn/block_sparse/triton.py`: visits only the selected
+        key blocks; differentiable through the reference's VJP) or `"auto"` (the kernel on a GPU,
+        XLA where the kernel refuses the shapes).
 
     Returns:
       `(out [B, T, N, Hv] in q.dtype, lse [B, T, N] float32)`. A row with no visible key gives
@@ -203,7 +206,8 @@ def block_sparse_attention(
     Raises:
       ValueError: bad ranks, shapes, modes, counts, lengths, block size or implementation name.
       TypeError: wrong dtypes.
-      NotImplementedError: a backend this op does not have.
+      NotImplementedError: a backend this op does not have; `"triton"` with shapes the kernel
+        refuses (head dims over 256, block sizes under 16).
     """
     check_geometry(q, k, block_size=block_size, q_lengths=q_lengths, kv_lengths=kv_lengths)
     _checks.check_rank("v", v, 4, "B S K Hv")
@@ -221,7 +225,19 @@ def block_sparse_attention(
     _check_blocks_count("local_blocks", local_blocks, N)
     if scale is not None and not scale > 0:
         raise ValueError(f"{scale=} must be positive")
-    resolve_implementation(implementation, supported=("xla",))
+    impl = resolve_implementation(implementation, supported=("triton", "xla"))
+    if impl == "triton":
+        from attn.block_sparse import triton as kernel
+
+        try:  # refuses unsupported shapes before launching anything
+            return kernel.block_sparse_attention(
+                q, k, v, head_mask_type.astype(jnp.int32), block_mask, block_size=block_size,
+                sink_blocks=_per_head(sink_blocks, N), local_blocks=_per_head(local_blocks, N),
+                q_lengths=q_lengths, kv_lengths=kv_lengths,
+                scale=None if scale is None else float(scale))
+        except NotImplementedError:
+            if implementation == "triton":
+                raise
     return _attention(
         q, k, v, head_mask_type.astype(jnp.int32), block_mask, block_size=block_size,
         sink_blocks=_per_head(sink_blocks, N), local_blocks=_per_head(local_blocks, N),

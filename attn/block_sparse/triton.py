@@ -1,0 +1,301 @@
+"""Triton block-sparse prefill: a flash forward that visits only the key blocks a head's mode
+selects (0 full, 1 block mask, -1 streaming), Block-Sparse-Attention semantics.
+
+The block selection is built in XLA: `reference.effective_block_mask` gives `[B, N, Tb, Sb]`, and
+`block_lists` turns each (request, query head, query tile) row into its selected key blocks in
+ascending order, their count, and how many of them every query of the tile sees whole (a prefix of
+the list: the blocks wholly below the tile's first query and inside the keys). One program owns
+`BLOCK_M` queries (a part of one query tile of `block_size`) of one query head of one request and
+walks its list: the whole blocks with no mask at all, then the rest (the diagonal and the
+length tail) with the token-level causal and length rules. A block of `block_size` keys is read in
+`BLOCK_N`-key steps, online softmax in base 2, fp32 accumulators. The work is thus proportional to
+the selected blocks: at density `d` the kernel does about `d` of the dense kernel's work.
+
+Programs are per query head (the modes are per query head, so GQA siblings may walk different
+lists); the heads of a request vary fastest so the programs sharing a KV head run together and
+read its blocks from L2. Query positions: `kv_len - q_len + t` (queries are the last `q_len` of
+`kv_len` keys); query rows past `q_len` give 0 / -inf.
+
+Supports: any group size, `H` / `Hv` up to 256 (padded and masked), bf16 / f16 / f32, block sizes
+that are powers of two >= 16, `q_len <= kv_len` or not. The kernel is forward only; the public op
+takes its gradient from the reference (`attn.dense.triton_paged.with_reference_gradient`).
+Not supported (NotImplementedError): head dims over 256, block sizes under 16.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from attn._harness import triton_call
+from attn.block_sparse import reference
+from attn.dense.triton_paged import with_reference_gradient
+
+LOG2E = math.log2(math.e)
+_MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """Launch configuration: `block_m` queries x `block_n` keys per step (each capped at the
+    block size, which they must then divide)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+
+
+def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
+    """The dense forward's Hopper tiles (128 queries x 64 keys, 8 warps); wide heads take 32-key
+    steps. Not yet timed on the GPU: `python -m experiments.bench_sparse_prefill` decides."""
+    if max(head_dim, value_head_dim or head_dim) > 128:
+        return Config(block_m=128, block_n=32)
+    return Config()
+
+
+def block_lists(
+    eff: jax.Array, q_lengths: jax.Array, kv_lengths: jax.Array, block_size: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per (request, head, query tile): selected key blocks ascending, count, whole-block count.
+
+    Args:
+      eff: `[B, N, Tb, Sb]` bool, `reference.effective_block_mask`.
+      q_lengths, kv_lengths: `[B]` int32.
+      block_size: the block size.
+
+    Returns:
+      `(blocks [B, N, Tb, Sb] int32, count [B, N, Tb] int32, whole [B, N, Tb] int32)`:
+      `blocks[..., :count]` are the selected blocks in ascending order (the rest is padding), and
+      the first `whole` of them are seen whole by every query of the tile (no mask needed).
+    """
+    sb = eff.shape[-1]
+    j = jnp.arange(sb, dtype=jnp.int32)
+    blocks = jnp.argsort(~eff, axis=-1, stable=True).astype(jnp.int32)  # selected first, ascending
+    count = jnp.sum(eff, axis=-1, dtype=jnp.int32)
+    r = jnp.arange(eff.shape[2], dtype=jnp.int32)
+    first_pos = (kv_lengths - q_lengths)[:, None] + r[None, :] * block_size  # [B, Tb]
+    # Block j is whole for every query at position >= first_pos iff (j + 1) * bs <= first_pos + 1,
+    # and inside the keys iff (j + 1) * bs <= kv_len.
+    limit = jnp.minimum(first_pos + 1, kv_lengths[:, None]) // block_size  # [B, Tb]
+    whole = jnp.sum(eff & (j < limit[:, None, :, None]), axis=-1, dtype=jnp.int32)
+    return blocks, count, whole
+
+
+@triton.jit
+def _visit(acc, l, m, q, k_base, v_base, pos, start, kv_len,
+           SCALE_LOG2: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+           MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+           BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr):
+    """One step of `BLOCK_N` keys from `start`; MASKED applies the causal and length rules."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_hv = tl.arange(0, BLOCK_HV)
+    cols = start + offs_n  # [BLOCK_N] key positions
+    k_ptrs = k_base + cols[:, None] * (K * H) + offs_h[None, :]
+    v_ptrs = v_base + cols[:, None] * (K * HV) + offs_hv[None, :]
+    if MASKED:
+        in_kv = cols < kv_len
+        k = tl.load(k_ptrs, mask=in_kv[:, None] & (offs_h < H)[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=in_kv[:, None] & (offs_hv < HV)[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=(offs_h < H)[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=(offs_hv < HV)[None, :], other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
+    if MASKED:
+        visible = (cols[None, :] <= pos[:, None]) & (cols < kv_len)[None, :]
+        s = tl.where(visible, qk * SCALE_LOG2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m - m_use)
+    else:
+        m_new = tl.maximum(m, tl.max(qk, 1) * SCALE_LOG2)
+        p = tl.exp2(qk * SCALE_LOG2 - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return acc, l, m_new
+
+
+@triton.jit
+def _block_sparse_kernel(
+    q_ptr,  # [B, T, N, H]
+    k_ptr,  # [B, S, K, H]
+    v_ptr,  # [B, S, K, HV]
+    q_len_ptr,  # [B] int32
+    kv_len_ptr,  # [B] int32
+    blocks_ptr,  # [B, N, TB, SB] int32 selected key blocks, ascending
+    count_ptr,  # [B, N, TB] int32
+    whole_ptr,  # [B, N, TB] int32
+    o_ptr,  # [B, T, N, HV]
+    lse_ptr,  # [B, T, N] f32
+    SCALE_LOG2: tl.constexpr,
+    B: tl.constexpr,
+    T: tl.constexpr,
+    S: tl.constexpr,
+    K: tl.constexpr,
+    G: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    TB: tl.constexpr,
+    SB: tl.constexpr,
+    BS: tl.constexpr,
+    NUM_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Heads fastest (GQA siblings share K/V in L2); the last query tiles (longest lists) first.
+    N: tl.constexpr = K * G
+    pid = tl.program_id(0)
+    n = pid % N
+    b = (pid // N) % B
+    mt = NUM_M - 1 - pid // (N * B)
+    kh = n // G
+    r = (mt * BLOCK_M) // BS  # the query tile (block row)
+
+    toks = mt * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    q_len = tl.minimum(tl.maximum(tl.load(q_len_ptr + b), 0), T)
+    kv_len = tl.minimum(tl.maximum(tl.load(kv_len_ptr + b), 0), S)
+    row_ok = toks < q_len
+    pos = kv_len - q_len + toks
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_hv = tl.arange(0, BLOCK_HV)
+    q_rows = b.to(tl.int64) * (T * N) + toks * N + n  # [BLOCK_M] of [B * T * N]
+    q = tl.load(q_ptr + q_rows[:, None] * H + offs_h[None, :],
+                mask=row_ok[:, None] & (offs_h < H)[None, :], other=0.0)
+    k_base = k_ptr + b.to(tl.int64) * (S * K * H) + kh * H
+    v_base = v_ptr + b.to(tl.int64) * (S * K * HV) + kh * HV
+
+    list_row = (b * N + n) * TB + r
+    count = tl.load(count_ptr + list_row)
+    whole = tl.load(whole_ptr + list_row)
+    blocks = blocks_ptr + list_row.to(tl.int64) * SB
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
+    for i in range(0, whole):  # blocks every query of the tile sees whole: no mask
+        j = tl.load(blocks + i)
+        for sub in range(0, BS, BLOCK_N):
+            acc, l, m = _visit(acc, l, m, q, k_base, v_base, pos, j * BS + sub, kv_len,
+                               SCALE_LOG2, K, H, HV, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+    for i in range(whole, count):  # the diagonal and the length tail: token masks
+        j = tl.load(blocks + i)
+        for sub in range(0, BS, BLOCK_N):
+            acc, l, m = _visit(acc, l, m, q, k_base, v_base, pos, j * BS + sub, kv_len,
+                               SCALE_LOG2, K, H, HV, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+
+    empty = (l == 0.0) | (toks >= q_len)
+    safe_l = tl.where(empty, 1.0, l)
+    out = tl.where(empty[:, None], 0.0, acc / safe_l[:, None])
+    lse = tl.where(empty, float("-inf"), (m + tl.log2(safe_l)) * 0.6931471805599453)
+    store_ok = toks < T
+    tl.store(o_ptr + q_rows[:, None] * HV + offs_hv[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=store_ok[:, None] & (offs_hv < HV)[None, :])
+    tl.store(lse_ptr + q_rows, lse, mask=store_ok)
+
+
+def check_supported(q, v, *, block_size: int) -> None:
+    """Raise NotImplementedError for what the kernel does not do (the API then uses XLA)."""
+    h, hv = q.shape[-1], v.shape[-1]
+    if max(h, hv) > _MAX_HEAD_DIM:
+        raise NotImplementedError(f"head dims H={h}, Hv={hv} over {_MAX_HEAD_DIM} are not "
+                                  f"supported by the Triton block-sparse kernel")
+    if block_size < 16:
+        raise NotImplementedError(f"{block_size=}: the Triton block-sparse kernel needs blocks "
+                                  f"of at least 16 tokens")
+
+
+def _launch(q, k, v, blocks, count, whole, q_lengths, kv_lengths, *, scale, block_size, config):
+    b, t, n, h = q.shape
+    s, kh, hv = k.shape[1], k.shape[2], v.shape[-1]
+    block_m, block_n = min(config.block_m, block_size), min(config.block_n, block_size)
+    num_m = triton.cdiv(t, block_m)
+    return triton_call(
+        q, k, v, q_lengths, kv_lengths, blocks, count, whole,
+        kernel=_block_sparse_kernel,
+        out_shape=(jax.ShapeDtypeStruct((b, t, n, hv), q.dtype),
+                   jax.ShapeDtypeStruct((b, t, n), jnp.float32)),
+        grid=(num_m * b * n,),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        SCALE_LOG2=scale * LOG2E, B=b, T=t, S=s, K=kh, G=n // kh, H=h, HV=hv,
+        TB=blocks.shape[2], SB=blocks.shape[3], BS=block_size, NUM_M=num_m, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_H=max(16, triton.next_power_of_2(h)),
+        BLOCK_HV=max(16, triton.next_power_of_2(hv)),
+        PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "config"))
+def _block_sparse(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_lengths,
+                  kv_lengths, *, block_size, scale, config):
+    b, t = q.shape[:2]
+    s = k.shape[1]
+    q_len = jnp.broadcast_to(jnp.asarray(t if q_lengths is None else q_lengths, jnp.int32), (b,))
+    kv_len = jnp.broadcast_to(jnp.asarray(s if kv_lengths is None else kv_lengths, jnp.int32),
+                              (b,))
+    eff = reference.effective_block_mask(
+        head_mask_type, block_mask, num_q_tokens=t, num_kv_tokens=s, block_size=block_size,
+        sink_blocks=sink_blocks, local_blocks=local_blocks, q_lengths=q_len, kv_lengths=kv_len)
+    blocks, count, whole = block_lists(eff, q_len, kv_len, block_size)
+
+    def kernel_fn(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len,
+                  blocks, count, whole):
+        return _launch(q, k, v, blocks, count, whole, q_len, kv_len, scale=scale,
+                       block_size=block_size, config=config)
+
+    def reference_fn(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len,
+                     kv_len, *_):
+        return reference.block_sparse_attention(
+            q, k, v, head_mask_type, block_mask, block_size=block_size, sink_blocks=sink_blocks,
+            local_blocks=local_blocks, q_lengths=q_len, kv_lengths=kv_len, scale=scale)
+
+    return with_reference_gradient(kernel_fn, reference_fn)(
+        q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len, blocks,
+        count, whole)
+
+
+def block_sparse_attention(q, k, v, head_mask_type, block_mask=None, *, block_size=128,
+                           sink_blocks=1, local_blocks=16, q_lengths=None, kv_lengths=None,
+                           scale=None, config: Config | None = None):
+    """Block-sparse prefill through the kernel; arguments as
+    `attn.block_sparse.block_sparse_attention` (validated there; `sink_blocks` / `local_blocks`
+    ints or `[N]` int32), plus `config` (default: `default_config`). Differentiable: the backward
+    is the reference's.
+
+    Returns:
+      `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`.
+
+    Raises:
+      NotImplementedError: see `check_supported` (the caller falls back to XLA).
+    """
+    check_supported(q, v, block_size=block_size)
+    n = q.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if config is None:
+        config = default_config(q.shape[-1], v.shape[-1])
+    per_head = [jnp.broadcast_to(jnp.asarray(x, jnp.int32), (n,))
+                for x in (sink_blocks, local_blocks)]
+    return _block_sparse(q, k, v, jnp.asarray(head_mask_type, jnp.int32), block_mask, *per_head,
+                         q_lengths, kv_lengths, block_size=block_size, scale=scale,
+                         config=config)

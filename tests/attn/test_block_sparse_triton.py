@@ -1,0 +1,174 @@
+"""The Triton block-sparse prefill kernel against the reference: interpreted on CPU, compiled on
+GPU.
+
+Every case mixes the three modes (0 full, 1 block mask, -1 streaming) over the query heads of GQA
+groups, and NaN-poisons queries past `q_lengths` and keys / values past `kv_lengths`. CPU cases use
+blocks of 16 or 32 tokens with 16 x 16 steps (so a 32-token block is walked in two query programs
+and two key steps); one case runs the seed's block of 128 with the default tiles in bf16.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attn
+from attn.block_sparse import block_sparse_attention, effective_block_mask
+from attn.block_sparse import triton as kernel
+from tests.utils import AttentionTestBase, assert_close, poison, randn, rng
+
+SMALL = kernel.Config(block_m=16, block_n=16)
+
+
+def _problem(gen, *, b, t, s, n, kh, bs, h=16, hv=16, q_lengths=None, kv_lengths=None,
+             dtype=jnp.float32, density=0.5):
+    q = randn(gen, (b, t, n, h), dtype)
+    k = randn(gen, (b, s, kh, h), dtype)
+    v = randn(gen, (b, s, kh, hv), dtype)
+    modes = jnp.asarray(gen.choice([0, 1, -1], (b, n)), jnp.int32)
+    modes = modes.at[0, :3].set(jnp.asarray([0, 1, -1])[: min(3, n)])  # every mode present
+    tb, sb = -(-t // bs), -(-s // bs)
+    block_mask = jnp.asarray(gen.random((b, n, tb, sb)) < density)
+    lens = {}
+    if q_lengths is not None:
+        lens["q_lengths"] = jnp.asarray(q_lengths, jnp.int32)
+        q = poison(q, jnp.arange(t)[None, :] < lens["q_lengths"][:, None])
+    if kv_lengths is not None:
+        lens["kv_lengths"] = jnp.asarray(kv_lengths, jnp.int32)
+        keep = jnp.arange(s)[None, :] < lens["kv_lengths"][:, None]
+        k, v = poison(k, keep), poison(v, keep)
+    return q, k, v, modes, block_mask, lens
+
+
+def _clean(x):
+    return jnp.where(jnp.isnan(x), 0.0, x).astype(x.dtype)
+
+
+def _check(q, k, v, modes, block_mask, *, config=SMALL, dtype=None, **opts):
+    out, lse = kernel.block_sparse_attention(q, k, v, modes, block_mask, config=config, **opts)
+    exp_out, exp_lse = block_sparse_attention(_clean(q), _clean(k), _clean(v), modes, block_mask,
+                                              implementation="xla", **opts)
+    tol = {} if dtype is not None else dict(atol=2e-5, rtol=2e-5)
+    assert_close(out, exp_out, dtype=dtype, err_msg="out", **tol)
+    assert_close(lse, exp_lse, dtype=dtype, allow_neg_inf=True, err_msg="lse")
+    sees = np.isfinite(np.asarray(exp_lse))
+    AttentionTestBase.check_masked_rows(out, lse, sees)
+    return sees
+
+
+CASES = {  # name: (problem, options)
+    "T64-S64-bs16-G2": (dict(b=1, t=64, s=64, n=4, kh=2, bs=16),
+                        dict(block_size=16, sink_blocks=1, local_blocks=2)),
+    "T40-S100-bs16-G3-lengths": (
+        dict(b=2, t=40, s=100, n=3, kh=1, bs=16, q_lengths=[37, 40], kv_lengths=[90, 45]),
+        dict(block_size=16, sink_blocks=np.array([1, 2, 0], np.int32), local_blocks=2)),
+    "T65-S65-bs32-G7-subtiles": (dict(b=1, t=65, s=65, n=7, kh=1, bs=32, hv=24),
+                                 dict(block_size=32, sink_blocks=1, local_blocks=1, scale=0.2)),
+    "q-longer-than-kv": (dict(b=2, t=48, s=48, n=2, kh=2, bs=16, q_lengths=[40, 9],
+                              kv_lengths=[30, 48]),
+                         dict(block_size=16, local_blocks=np.array([1, 3], np.int32))),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(name):
+    problem, opts = CASES[name]
+    q, k, v, modes, bm, lens = _problem(rng(), **problem)
+    sees = _check(q, k, v, modes, bm, **opts, **lens)
+    if name == "q-longer-than-kv":  # row 0: the first 10 queries sit before key 0; head 0 is full
+        assert not sees[0, :10].any() and sees[0, 10:40, 0].all() and not sees[0, 40:].any()
+
+
+def test_seed_block_128_bf16_default_config():
+    gen = rng()
+    q, k, v, modes, bm, lens = _problem(gen, b=1, t=200, s=300, n=2, kh=1, bs=128, h=32, hv=32,
+                                        kv_lengths=[290], dtype=jnp.bfloat16)
+    _check(q, k, v, modes.at[0].set(jnp.asarray([1, -1])), bm, config=None, dtype=jnp.bfloat16,
+           block_size=128, sink_blocks=1, local_blocks=1, **lens)
+
+
+def test_block_lists_whole_prefix_is_fully_visible():
+    """The unmasked prefix of every list holds only blocks every query of its tile sees whole,
+    and the lists hold exactly the selected blocks in ascending order."""
+    gen = rng()
+    b, n, t, s, bs = 3, 4, 70, 150, 16
+    modes = jnp.asarray(gen.choice([0, 1, -1], (b, n)), jnp.int32)
+    bm = jnp.asarray(gen.random((b, n, -(-t // bs), -(-s // bs))) < 0.5)
+    q_len = np.array([70, 33, 64], np.int32)
+    kv_len = np.array([150, 100, 64], np.int32)
+    eff = effective_block_mask(modes, bm, num_q_tokens=t, num_kv_tokens=s, block_size=bs,
+                               sink_blocks=1, local_blocks=2, q_lengths=jnp.asarray(q_len),
+                               kv_lengths=jnp.asarray(kv_len))
+    blocks, count, whole = (np.asarray(x) for x in kernel.block_lists(
+        eff, jnp.asarray(q_len), jnp.asarray(kv_len), bs))
+    eff = np.asarray(eff)
+    assert (whole <= count).all() and whole.sum() > 0 and (count - whole).sum() > 0
+    for i in range(b):
+        for h in range(n):
+            for r in range(eff.shape[2]):
+                listed = blocks[i, h, r, : count[i, h, r]]
+                np.testing.assert_array_equal(listed, np.flatnonzero(eff[i, h, r]))
+                first_query = kv_len[i] - q_len[i] + r * bs
+                for j in listed[: whole[i, h, r]]:
+                    assert (j + 1) * bs - 1 <= first_query and (j + 1) * bs <= kv_len[i]
+
+
+def test_public_api_dispatch_gradient_and_auto_fallback(monkeypatch):
+    gen = rng()
+    q, k, v, modes, bm, _ = _problem(gen, b=1, t=32, s=48, n=2, kh=1, bs=16)
+    opts = dict(block_size=16, sink_blocks=1, local_blocks=1)
+    out, lse = block_sparse_attention(q, k, v, modes, bm, implementation="triton", **opts)
+    exp_out, exp_lse = block_sparse_attention(q, k, v, modes, bm, implementation="xla", **opts)
+    assert_close(out, exp_out)
+    assert_close(lse, exp_lse, allow_neg_inf=True)
+
+    def loss(impl):
+        return lambda q, k, v: jnp.sum(block_sparse_attention(
+            q, k, v, modes, bm, implementation=impl, **opts)[0] ** 2)
+    got = jax.grad(loss("triton"), (0, 1, 2))(q, k, v)
+    exp = jax.grad(loss("xla"), (0, 1, 2))(q, k, v)
+    for a, e in zip(got, exp):
+        assert_close(a, e)
+
+    opts8 = dict(block_size=8)
+    modes0 = jnp.asarray([[0, -1]], jnp.int32)
+    with pytest.raises(NotImplementedError, match="at least 16"):
+        block_sparse_attention(q, k, v, modes0, None, implementation="triton", **opts8)
+    with pytest.raises(NotImplementedError, match="head dims"):
+        kernel.check_supported(jnp.zeros((1, 1, 1, 512)), v, block_size=16)
+    monkeypatch.setattr(attn._harness, "on_gpu", lambda: True)
+    out, _ = block_sparse_attention(q, k, v, modes0, None, implementation="auto", **opts8)
+    monkeypatch.undo()
+    assert_close(out, block_sparse_attention(q, k, v, modes0, None, implementation="xla",
+                                             **opts8)[0])
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="block_m"):
+        kernel.Config(block_m=24)
+    with pytest.raises(ValueError, match="block_n"):
+        kernel.Config(block_n=8)
+    with pytest.raises(ValueError, match="num_warps"):
+        kernel.Config(num_warps=5)
+    with pytest.raises(ValueError, match="num_stages"):
+        kernel.Config(num_stages=0)
+
+
+# GPU: the seed geometry (block 128), bf16, against the float32 reference.
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("density", [0.1, 0.5, 1.0])
+@pytest.mark.parametrize("g", [1, 4])
+def test_gpu_matches_reference(density, g):
+    gen = rng()
+    kh = 4
+    q, k, v, modes, bm, lens = _problem(
+        gen, b=2, t=1536, s=2048, n=kh * g, kh=kh, bs=128, h=128, hv=128, dtype=jnp.bfloat16,
+        q_lengths=[1536, 1000], kv_lengths=[2048, 1900], density=density)
+    opts = dict(block_size=128, sink_blocks=1, local_blocks=4, **lens)
+    run = jax.jit(lambda *a: kernel.block_sparse_attention(*a, **opts))
+    out, lse = run(q, k, v, modes, bm)
+    f32 = [_clean(x).astype(jnp.float32) for x in (q, k, v)]
+    exp_out, exp_lse = block_sparse_attention(*f32, modes, bm, implementation="xla", **opts)
+    assert_close(out, exp_out, dtype=jnp.bfloat16)
+    assert_close(lse, exp_lse, atol=1e-2, rtol=1e-3, allow_neg_inf=True)
