@@ -14,10 +14,11 @@ offline from a seed) at several lengths and needle depths, greedily, under the p
 * `fp8`: dense attention over float8_e4m3fn KV pages (per-sub-block fp32 scales).
 
 Per policy, task and length it reports task accuracy, agreement with dense (fraction of generated
-tokens equal to dense's, position by position), KV bytes per request at its largest (all layers
-and heads, host page accounting), and prefill / decode wall time per request (host time of the
-engine's mixed / decode steps, compiles excluded by a warm-up). Writes `results.json` and
-`results.png` to `--out`.
+tokens equal to dense's, position by position), the KL divergence from dense of the first
+generated token's distribution (`fp8` vs dense is the FP8 KV error alone), KV bytes per request
+at its largest (all layers and heads, host page accounting), and prefill / decode wall time per
+request (host time of the engine's mixed / decode steps, compiles excluded by a warm-up). Writes
+`results.json` and `results.png` to `--out`.
 """
 
 from __future__ import annotations
@@ -108,13 +109,17 @@ def run_policy(engine, policy, samples, tokenizer, max_tokens, bar):
         engine.stats[key] = 0.0
     reqs = [engine.add(Request(list(s.prompt), params, policy)) for s in samples]
     peak = {r.id: 0 for r in reqs}
+    first = {}  # request id -> log-probabilities of its first generated token
     while not engine.idle:
         done = engine.step()
+        for req in done + [r for r in engine.slots if r is not None]:
+            if len(req.output) == 1 and req.id not in first:
+                first[req.id] = np.asarray(jax.nn.log_softmax(engine.last_logits[req.row]))
         for row, req in enumerate(engine.slots):
             if req is not None:
                 peak[req.id] = max(peak[req.id], int(engine.kv_bytes(row).sum()))
         bar.update(len(done))
-    return ([r.output for r in reqs], [peak[r.id] for r in reqs],
+    return ([r.output for r in reqs], [peak[r.id] for r in reqs], [first[r.id] for r in reqs],
             engine.stats["mixed_seconds"], engine.stats["decode_seconds"],
             sum(r.preemptions for r in reqs))
 
@@ -146,7 +151,7 @@ def main(argv=None):
         fp8 = name == "fp8"
         if fp8 not in engines:
             engines[fp8] = Engine(model, batch_slots=args.batch, max_len=max_len,
-                                  page_size=args.page_size, chunk=args.chunk,
+                                  page_size=args.page_size, chunk=min(args.chunk, max_len),
                                   kv_dtype=jnp.float8_e4m3fn if fp8 else None)
             # Warm-up: compile the mixed and decode steps on a short request.
             engines[fp8].generate([samples[0].prompt[:8]], SamplingParams(max_tokens=2))
@@ -160,15 +165,15 @@ def main(argv=None):
         t0 = time.perf_counter()
         engine = engine_for(name)
         compile_s = time.perf_counter() - t0
-        outs, peaks, prefill_s, decode_s, preempted = run_policy(
+        outs, peaks, logp, prefill_s, decode_s, preempted = run_policy(
             engine, policies[name], samples, tokenizer, args.max_tokens, bar)
-        results[name] = dict(outputs=outs, kv_bytes=peaks, prefill_s=prefill_s,
+        results[name] = dict(outputs=outs, kv_bytes=peaks, logp=logp, prefill_s=prefill_s,
                              decode_s=decode_s, preemptions=preempted, setup_s=compile_s)
     bar.close()
     del Request
 
     rows = []
-    dense_out = results["dense"]["outputs"]
+    dense_out, dense_logp = results["dense"]["outputs"], results["dense"]["logp"]
     for name in order:
         r = results[name]
         texts = [tokenizer.decode(o, skip_special_tokens=True) for o in r["outputs"]]
@@ -177,8 +182,9 @@ def main(argv=None):
                 idx = [i for i, s in enumerate(samples) if s.task == task and s.length == length]
                 acc = np.mean([tasks.solved(texts[i], samples[i].answer) for i in idx])
                 agree = np.mean([_agreement(r["outputs"][i], dense_out[i]) for i in idx])
+                kl = np.mean([_kl(dense_logp[i], r["logp"][i]) for i in idx])
                 rows.append(dict(policy=name, task=task, length=length, n=len(idx),
-                                 accuracy=float(acc), agreement=float(agree),
+                                 accuracy=float(acc), agreement=float(agree), kl=float(kl),
                                  kv_bytes=int(np.mean([r["kv_bytes"][i] for i in idx]))))
         r["texts"] = texts
     n = len(samples)
@@ -212,17 +218,23 @@ def _agreement(a: list[int], b: list[int]) -> float:
     return sum(x == y for x, y in zip(a, b)) / n if n else 1.0
 
 
+def _kl(logp: np.ndarray, logq: np.ndarray) -> float:
+    """KL(p || q) in nats between two next-token distributions given as log-probabilities."""
+    return float(np.sum(np.exp(logp) * (logp - logq)))
+
+
 def _table(rows, timing) -> str:
     head = (f"{'policy':<9} {'task':<9} {'length':>6} {'n':>3} {'acc':>5} {'agree':>6} "
-            f"{'KV MiB/req':>10} {'prefill s/req':>13} {'decode s/req':>12}")
+            f"{'KL':>8} {'KV MiB/req':>10} {'prefill s/req':>13} {'decode s/req':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         t = timing[r["policy"]]
         lines.append(f"{r['policy']:<9} {r['task']:<9} {r['length']:>6} {r['n']:>3} "
-                     f"{r['accuracy']:>5.2f} {r['agreement']:>6.2f} "
+                     f"{r['accuracy']:>5.2f} {r['agreement']:>6.2f} {r['kl']:>8.1e} "
                      f"{r['kv_bytes'] / 2**20:>10.2f} {t['prefill_s_per_req']:>13.2f} "
                      f"{t['decode_s_per_req']:>12.2f}")
-    lines.append("(prefill / decode: host wall time of the engine's steps per request, all "
+    lines.append("(KL: first generated token's distribution, KL(dense || policy) in nats; "
+                 "prefill / decode: host wall time of the engine's steps per request, all "
                  "lengths pooled; batch slots shared)")
     return "\n".join(lines)
 
