@@ -1,7 +1,8 @@
 """Public XAttention estimate and threshold selection: validation once, then the reference.
 
-Only the `xla` reference exists; it is jittable with static shapes. A Pallas GEMM is only worth
-it for very long prompts (>= 64K), where the estimate's matmul dominates.
+`xattn_estimate` has the `xla` reference (jittable with static shapes) and a Triton kernel for the
+scores and block sums (`attn/xattention/triton.py`; the threshold selection stays in XLA), which
+`auto` picks on a GPU. `find_blocks` is XLA only.
 """
 
 import jax
@@ -62,7 +63,8 @@ def xattn_estimate(
         next power of two of S, as the original.
       q_lengths: `[B]` int32 valid queries per request (default T).
       kv_lengths: `[B]` int32 valid keys per request (default S).
-      implementation: `"xla"` or `"auto"`.
+      implementation: `"xla"`, `"triton"` (scores, softmax and block sums in one kernel, no
+        chunking; the selection in XLA; not differentiable) or `"auto"` (the kernel on a GPU).
 
     Returns:
       `(block_sums [B, N, Tb, Sb] float32, block_mask [B, N, Tb, Sb] bool)`, `Tb = ceil(T /
@@ -72,7 +74,7 @@ def xattn_estimate(
       ValueError: bad ranks or sizes, block size, stride, threshold, norm, chunk size, lengths,
         implementation name.
       TypeError: wrong dtypes.
-      NotImplementedError: a backend this op does not have.
+      NotImplementedError: a backend this op does not have; `"triton"` with head dims over 256.
     """
     check_geometry(q, k, block_size=block_size, q_lengths=q_lengths, kv_lengths=kv_lengths)
     _checks.check_positive("stride", stride)
@@ -83,7 +85,17 @@ def xattn_estimate(
     if chunk_size is not None:
         _checks.check_positive("chunk_size", chunk_size)
         _checks.check_divisible("chunk_size", chunk_size, "block_size", block_size)
-    resolve_implementation(implementation, supported=("xla",))
+    impl = resolve_implementation(implementation, supported=("triton", "xla"))
+    if impl == "triton":
+        from attn.xattention import triton as kernel
+
+        try:  # refuses unsupported shapes before launching anything
+            return kernel.xattn_estimate(
+                q, k, block_size=block_size, stride=stride, threshold=threshold, norm=norm,
+                q_lengths=q_lengths, kv_lengths=kv_lengths)
+        except NotImplementedError:
+            if implementation == "triton":
+                raise
     return _estimate(
         q, k, block_size=block_size, stride=stride, threshold=jnp.float32(threshold),
         norm=jnp.float32(norm), chunk_size=chunk_size, q_lengths=q_lengths, kv_lengths=kv_lengths)
