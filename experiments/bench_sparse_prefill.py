@@ -20,6 +20,9 @@ Writes `<out>/sparse_prefill.json` and `.md` (`--smoke`: `sparse_prefill_smoke.*
   (the diagonal and the sink always kept), density measured on the effective mask. Anchor: our
   dense Triton flash (causal). Goal (PERF.md): `ms <= 1.15 * density * anchor_ms`, i.e. the
   speed-up approaches `1 / density`.
+- `xattn_estimate`: the Triton XAttention estimate (stride 16) at `--sparse-seq`; anchor our dense
+  flash. Goal (PERF.md: estimation <= 20% of the total at ~10% density): estimate time <=
+  `0.2 * 0.1 * dense / 0.8`. TFLOP/s counted on the two passes of the causal reduced GEMM.
 
 The ceiling of every row is a bf16 matmul measured in the same process
 (`experiments.bench_prefill.matmul_tflops`).
@@ -160,7 +163,31 @@ def sparse_rows(args, ceiling: float) -> list[dict]:
     return rows
 
 
-ROWS = {"paged_prefill": paged_rows, "block_sparse_prefill": sparse_rows}
+def estimate_rows(args, ceiling: float) -> list[dict]:
+    """XAttention estimate (Triton scores + block sums, XLA selection) against dense flash."""
+    from attn.xattention import triton as xattn_triton
+
+    n, kh, h, s, bs = args.heads, args.kv_heads, args.head_dim, args.sparse_seq, args.block
+    stride = max(1, min(16, bs // 4))
+    key = jax.random.key(4)
+    q = jax.random.normal(key, (1, s, n, h), jnp.bfloat16)
+    k = jax.random.normal(jax.random.fold_in(key, 1), (1, s, kh, h), jnp.bfloat16)
+    v = jax.random.normal(jax.random.fold_in(key, 2), (1, s, kh, h), jnp.bfloat16)
+    flash = jax.jit(lambda q, k, v: dense_triton.attention(q, k, v)[0])
+    anchor_ms = _time(flash, q, k, v)
+    est = jax.jit(lambda q, k: xattn_triton.xattn_estimate(q, k, block_size=bs, stride=stride))
+    ms = _time(est, q, k)
+    flops = 2 * 2 * n * h * s * s / 2 / stride  # two passes of the causal reduced GEMM
+    return [_bench.row(
+        kernel="xattn_estimate", case=f"B1-S{s}-N{n}-K{kh}-H{h}-bs{bs}-st{stride}-bf16",
+        ms=ms, achieved=flops / ms / 1e9, unit="TFLOP/s", ceiling=ceiling,
+        anchor="our dense Triton flash (causal)", anchor_ms=anchor_ms,
+        goal="ms <= 0.2 * 0.1 * anchor_ms / 0.8 (<= 20% of a 10%-density sparse prefill)",
+        meets_goal=ms <= 0.2 * 0.1 * anchor_ms / 0.8)]
+
+
+ROWS = {"paged_prefill": paged_rows, "block_sparse_prefill": sparse_rows,
+        "xattn_estimate": estimate_rows}
 
 
 def main(argv=None):
