@@ -394,7 +394,7 @@ def sample(logits: Float[Array, "B V"], keys, temperature, top_k, top_p) -> Int[
     keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
     scaled = jnp.where(keep, scaled, -jnp.inf)
     probs = jax.nn.softmax(scaled, axis=-1)
-    before = jax.lax.associative_scan(jnp.add, probs, axis=-1) - probs  # mass of better tokens
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better tokens
     keep = keep & ((before < top_p[:, None]) | (rank == 0))
     scaled = jnp.where(keep, scaled, -jnp.inf)
     pick = jax.vmap(jax.random.categorical)(keys, scaled)

@@ -1,0 +1,301 @@
+"""Generation engine on tiny random hybrid and MLA models: Qwen3-Next and Qwen3.5 (Gated DeltaNet
++ gated attention), DeepSeek-V3 and V2 (MLA, MoE).
+
+Greedy generation through the engine must equal greedy by repeated full forwards (`model(ids)`,
+no cache) with chunked prefill (prompts longer than the 16-token chunk), continuous batching (5
+requests of different lengths over 2 slots) and preemption (11 allocatable pages per head: too
+few for two long requests), with every pool poisoned with NaN beforehand (GDN slots and pages
+are read only after they are written, or as selected zeros). After the run every page is free
+again and every GDN slot of a row is back to zero. One engine shape per family (so one pair of
+compiled steps); the reference forwards run batched at one padded width.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kv
+import models
+from attn.dense import attention
+from models import engine as engine_mod
+from models.engine import Engine, Policy, Request, SamplingParams
+from models.layers.attention import Attention, AttentionConfig
+from models.layers.gdn import GatedDeltaNet, GDNConfig
+from tests.models import tiny
+
+SHAPE = dict(batch_slots=2, max_len=256, page_size=8, chunk=16, num_pages=12,
+             implementation="xla")
+WIDTH = 64  # reference forwards run at one padded width (causal: padding after is invisible)
+ROWS = 5  # ... and batch
+FAMILIES = ["qwen3_next", "qwen3_5", "deepseek_v3", "deepseek_v2"]
+
+_QWEN = dict(vocab_size=tiny.VOCAB, hidden_size=32, num_hidden_layers=2,
+             layer_types=["linear_attention", "full_attention"],
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=512, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+             linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+             initializer_range=0.1, rms_norm_eps=1e-6,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                              "partial_rotary_factor": 0.5})
+_DEEPSEEK = dict(vocab_size=tiny.VOCAB, hidden_size=32, intermediate_size=64,
+                 moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
+                 num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+                 qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                 num_experts_per_tok=2, n_shared_experts=1, max_position_embeddings=512,
+                 initializer_range=0.1, rms_norm_eps=1e-6)
+# family -> (HF model class, HF config class, config overrides)
+HF = {
+    # MoE layer 0 (routed + shared expert), dense layer 1.
+    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(
+        _QWEN, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, mlp_only_layers=[1])),
+    "qwen3_5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(_QWEN, intermediate_size=64)),
+    # q LoRA, interleaved rope, noaux_tc router over 2 groups.
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        _DEEPSEEK, q_lora_rank=16, n_group=2, topk_group=1, rope_interleave=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # q_proj (no LoRA), complex rope, greedy softmax router.
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
+        _DEEPSEEK, q_lora_rank=None, topk_method="greedy",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+
+
+def _save(family: str, path: str) -> None:
+    """Build, perturb (norms, biases; realistic GDN decays) and save a tiny HF model."""
+    import torch
+
+    t = tiny._transformers()
+    model_cls, config_cls, overrides = HF[family]
+    torch.manual_seed(0)
+    model = getattr(t, model_cls)(getattr(t, config_cls)(**overrides)).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # per-token decay mostly 0.7-0.99: state matters
+                p.copy_(torch.empty(p.shape).uniform_(0.05, 1.0, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.empty(p.shape).uniform_(-3.0, 0.0, generator=g))
+            elif p.ndim == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def load(tmp_path_factory):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            path = str(tmp_path_factory.mktemp(f"engine_{family}"))
+            _save(family, path)
+            cache[family] = models.from_pretrained(path, progress=False)
+        return cache[family]
+
+    return get
+
+
+@dataclasses.dataclass(frozen=True)
+class _PolicyAttend:
+    """Full-forward attend with a per-layer, per-head window / sinks policy (`[L, K]` arrays; GDN
+    layers use their default mix: no `gdn_mix` here)."""
+
+    window: jax.Array
+    sinks: jax.Array
+
+    def __call__(self, spec, qkv, state=None):
+        o, _ = attention(qkv.q, qkv.k, qkv.v, causal=True, scale=spec.scale,
+                         window=self.window[spec.layer], sinks=self.sinks[spec.layer],
+                         implementation="xla")
+        return o, state
+
+
+@nnx.jit
+def _policy_logits(model, ids, window, sinks):
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+    hidden, _ = model.forward(ids, positions, attend=_PolicyAttend(window, sinks))
+    return model.logits(hidden)
+
+
+def reference_greedy(model, prompts, steps, policy=None):
+    """Greedy continuations of every prompt by repeated full forwards (no cache), batched (always
+    `ROWS` rows, so every call shares one compiled forward)."""
+    ids = [list(p) for p in prompts]
+    for _ in range(steps):
+        padded = np.zeros((ROWS, WIDTH), np.int32)
+        for i, row in enumerate(ids):
+            padded[i, :len(row)] = row
+        if policy is None:
+            logits = model(jnp.asarray(padded))
+        else:
+            logits = _policy_logits(model, jnp.asarray(padded), jnp.asarray(policy.window),
+                                    jnp.asarray(policy.sinks))
+        last = np.asarray([len(row) - 1 for row in ids])
+        nxt = np.asarray(jnp.argmax(logits[np.arange(len(ids)), last], axis=-1))
+        for row, tok in zip(ids, nxt):
+            row.append(int(tok))
+    return [row[len(p):] for row, p in zip(ids, prompts)]
+
+
+def prompts(lengths, seed=3):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, tiny.VOCAB, n)] for n in lengths]
+
+
+def poison(engine):
+    """NaN into every page of every pool and every GDN slot (the null ones included)."""
+    engine.states = engine.states._replace(pools=[
+        jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), p) for p in engine.states.pools])
+
+
+def gdn_pools(engine):
+    return [p for p in engine.states.pools if isinstance(p, kv.SlotPool)]
+
+
+def run_checked(engine):
+    """Step to the end, checking after every step that the host page mirror equals the device and
+    the GDN state bytes follow the occupied slots."""
+    per_slot = engine.kv_usage()["state_capacity_bytes"] // engine.batch_slots
+    while not engine.idle:
+        engine.step()
+        held = engine.pages_held().sum(axis=0)
+        free = engine.free_pages()
+        paged = list(engine.paged_layers)
+        assert np.array_equal(free[paged], engine.num_pages - 1 - held[paged])
+        busy = sum(s is not None for s in engine.slots)
+        assert np.array_equal(engine.kv_usage()["state_bytes"], busy * per_slot)
+    usage = engine.kv_usage()
+    assert np.all(engine.free_pages()[list(engine.paged_layers)] == engine.num_pages - 1)
+    assert usage["total_bytes"] == 0 and not usage["pages"].any()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_full_forward(family, load):
+    """5 requests over 2 slots (join / leave), prompts longer than a chunk (chunked prefill),
+    decode tokens mixed into prefill steps, pools too small for two long requests (preemption:
+    the preempted request is recomputed from a zeroed GDN state and resumes with the same tokens),
+    poisoned pools; afterwards every page is free and every row's GDN slot is zero."""
+    model = load(family)
+    engine = Engine(model, **SHAPE)
+    kinds = set(engine.layer_kinds)
+    assert kinds == ({"gdn", "attention"} if family.startswith("qwen") else {"mla"})
+    poison(engine)
+    ps = prompts([37, 33, 5, 1, 16])
+    reqs = [engine.add(Request(p, SamplingParams(max_tokens=m)))
+            for p, m in zip(ps, [12, 12, 9, 7, 5])]
+    run_checked(engine)
+    expected = reference_greedy(model, ps, 12)
+    for r, want in zip(reqs, expected):
+        assert r.done and r.output == want[:r.params.max_tokens], r.id
+    assert engine.stats["mixed_steps"] > 0 and engine.stats["decode_steps"] > 0
+    assert engine.stats["preemptions"] >= 1 and reqs[1].preemptions >= 1
+    assert reqs[1].prefill_tokens > len(ps[1])  # it was recomputed
+    for pool in gdn_pools(engine):  # both rows' slots were zeroed when their requests left
+        assert not np.asarray(pool.conv[1:]).any() and not np.asarray(pool.ssm[1:]).any()
+    assert len(gdn_pools(engine)) == (1 if family.startswith("qwen") else 0)
+
+
+def test_streaming_policy_on_hybrid(load):
+    """A window + sinks policy applies to the attention layer (its entries on GDN layers are
+    ignored) and equals a full forward under that policy; the idle row's GDN slot is never
+    touched (still NaN), the busy row's is zeroed when its request leaves."""
+    model = load("qwen3_next")
+    engine = Engine(model, **SHAPE)
+    poison(engine)
+    layers = len(model.layers)
+    streaming = Policy.streaming(layers, engine.num_kv_heads, window=16, sinks=8)
+    p = prompts([45], seed=7)[0]
+    req = engine.add(Request(p, SamplingParams(max_tokens=8), streaming))
+    peak = np.zeros((layers, engine.num_kv_heads), np.int64)
+    while not engine.idle:
+        engine.step()
+        peak = np.maximum(peak, engine.pages_held()[0])
+    assert peak[1].max() <= 4 and not peak[0].any()  # sink + window + 1; GDN: no pages
+    assert req.output == reference_greedy(model, [p], 8, streaming)[0]
+    assert req.output != reference_greedy(model, [p], 8)[0]  # the window changed something
+    for pool in gdn_pools(engine):
+        assert not np.asarray(pool.ssm[1]).any() and not np.asarray(pool.conv[1]).any()
+        assert np.isnan(np.asarray(pool.ssm[2])).all() and np.isnan(np.asarray(pool.conv[2])).all()
+
+
+def test_no_recompiles_over_200_decode_steps(load):
+    """Hybrid: joins, leaves, chunked prefill, streaming and dense requests, sampling: after
+    warm-up, no trace of either step."""
+    model = load("qwen3_next")
+    engine = Engine(model, **SHAPE)
+    streaming = Policy.streaming(len(model.layers), engine.num_kv_heads, window=16, sinks=8)
+    a, b, c = prompts([9, 20, 25], seed=9)
+    engine.add(Request(a, SamplingParams(max_tokens=230), streaming))
+    engine.add(Request(b, SamplingParams(max_tokens=30)))
+    for _ in range(3):  # warm-up: the mixed and the decode step are compiled
+        engine.step()
+    assert engine.stats["mixed_steps"] and engine.stats["decode_steps"]
+    before = dict(engine_mod.TRACES)
+    decode_steps = engine.stats["decode_steps"]
+    engine.add(Request(c, SamplingParams(max_tokens=30, temperature=0.7, seed=1)))  # late join
+    engine.run()
+    assert engine.stats["decode_steps"] - decode_steps >= 200
+    assert dict(engine_mod.TRACES) == before
+    assert np.all(engine.free_pages()[list(engine.paged_layers)] == engine.num_pages - 1)
+
+
+def test_accounting_shapes(load):
+    """kv_bytes / kv_usage / state_bytes shapes and values on a hybrid while a request runs."""
+    model = load("qwen3_next")
+    engine = Engine(model, **SHAPE)
+    engine.add(Request(prompts([20], seed=4)[0], SamplingParams(max_tokens=3)))
+    engine.step()  # 16 of 20 prompt tokens cached: 2 pages per head of the attention layer
+    layers, heads = len(model.layers), engine.num_kv_heads
+    usage = engine.kv_usage()
+    assert engine.layer_kinds == ("gdn", "attention") and engine.paged_layers == (1,)
+    assert usage["pages"].tolist() == [[0, 0], [2, 2]]
+    assert np.array_equal(usage["bytes"], engine.kv_bytes(0))
+    assert usage["bytes"].shape == (layers, heads) and usage["bytes"][1, 0] == 2 * \
+        engine.page_bytes()
+    assert usage["capacity_pages"].tolist() == [0, engine.num_pages - 1]
+    spec = model.layers[0].mixer.spec
+    slot = spec.conv_dim * (spec.conv_width - 1) * 4 + \
+        spec.num_v_heads * spec.head_k_dim * spec.head_v_dim * 4
+    assert engine.state_bytes().tolist() == [slot, 0]
+    assert engine.state_bytes(1).tolist() == [0, 0]  # row 1 is idle
+    assert usage["total_bytes"] == usage["bytes"].sum() + slot
+    engine.run()
+    assert engine.kv_usage()["total_bytes"] == 0
+
+
+def test_engine_errors(load):
+    ds = load("deepseek_v3")
+    layers = len(ds.layers)
+    with pytest.raises(ValueError, match="no FP8 latent cache"):
+        Engine(ds, **SHAPE, kv_dtype=jnp.float8_e4m3fn)
+    streaming = Policy.streaming(layers, 1, window=16, sinks=4)
+    with pytest.raises(ValueError, match="layer 0, an MLA layer"):
+        Engine(ds, **SHAPE, policy=streaming)
+    engine = Engine(ds, **SHAPE)
+    assert engine.num_kv_heads == 1 and engine.paged_layers == (0, 1)
+    with pytest.raises(ValueError, match="MLA latent cache supports no sliding window"):
+        engine.add(Request([1, 2], SamplingParams(max_tokens=2), streaming))
+    with pytest.raises(ValueError, match=r"policy shape \(2, 2\) must be \[L, K\] = \(2, 1\)"):
+        engine.add(Request([1], SamplingParams(max_tokens=2), Policy.dense(layers, 2)))
+    rngs = nnx.Rngs(0)
+    gdn = GatedDeltaNet(GDNConfig(dim=8, num_k_heads=1, num_v_heads=1, head_k_dim=4,
+                                  head_v_dim=4), layer=0, rngs=rngs)
+    with pytest.raises(ValueError, match="at least one attention or MLA layer"):
+        Engine(_FakeModel([gdn]))
+    attn = [Attention(AttentionConfig(dim=8, num_heads=k, num_kv_heads=k, head_dim=4), layer=i,
+                      rngs=rngs) for i, k in enumerate((1, 2))]
+    with pytest.raises(ValueError, match=r"same num_kv_heads .*\{0: 1, 1: 2\}"):
+        Engine(_FakeModel(attn))
+    with pytest.raises(ValueError, match="layer 1 has a str mixer"):
+        Engine(_FakeModel([attn[0], "not a mixer"]))
+
+
+class _FakeModel:
+    def __init__(self, mixers):
+        layer = dataclasses.make_dataclass("Layer", [("mixer", object)])
+        self.layers = [layer(m) for m in mixers]
+        self.dtype = jnp.float32
