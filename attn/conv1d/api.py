@@ -1,8 +1,10 @@
 """Public causal depthwise conv1d (prefill, decode step, slot pools): validation once, then the
 backend.
 
-`causal_conv1d_update_pool` has a Triton kernel (`attn/conv1d/triton.py`, the default on a GPU);
-the other ops are XLA only and raise NotImplementedError for `implementation="triton"`.
+`causal_conv1d_update_pool` has a Triton kernel (`attn/conv1d/triton.py`) and `causal_conv1d` /
+`causal_conv1d_prefill_pool` one for prefill (`attn/conv1d/triton_prefill.py`), the defaults on a
+GPU; `causal_conv1d_update` is XLA only and raises NotImplementedError for
+`implementation="triton"`.
 Semantics and layouts are documented in `attn/conv1d/reference.py`.
 """
 
@@ -15,6 +17,7 @@ from attn.conv1d import reference
 
 _SUPPORTED = ("xla",)
 _UPDATE_POOL_SUPPORTED = ("triton", "xla")
+_PREFILL_SUPPORTED = ("triton", "xla")
 
 
 def check_cu_seqlens(cu_seqlens, batch: int, tokens: int) -> int:
@@ -123,7 +126,7 @@ def causal_conv1d(
         means zeros.
       activation: `"silu"` or None.
       cu_seqlens: `[Ns + 1]` integer boundaries of sequences packed in one row (`B == 1`).
-      implementation: `"xla"` or `"auto"`.
+      implementation: `"xla"`, `"triton"` or `"auto"` (the Triton kernel on a GPU).
 
     Returns:
       `(y [B, T, C] in x.dtype, final_state [Ns, C, W - 1] in x.dtype)`.
@@ -139,7 +142,11 @@ def causal_conv1d(
         rows = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
     if initial_state is not None:
         _check_state("initial_state", initial_state, rows, x.shape[2], width)
-    resolve_implementation(implementation, supported=_SUPPORTED)
+    if resolve_implementation(implementation, supported=_PREFILL_SUPPORTED) == "triton":
+        from attn.conv1d import triton_prefill as kernel
+
+        return kernel.causal_conv1d(x, weight, bias, initial_state=initial_state,
+                                    activation=activation, cu_seqlens=cu_seqlens)
     return reference.causal_conv1d(x, weight, bias, initial_state=initial_state,
                                    activation=activation, cu_seqlens=cu_seqlens)
 
@@ -243,7 +250,8 @@ def causal_conv1d_prefill_pool(
       weight, bias, activation: as `causal_conv1d`.
       has_initial_state: `[Ns]` bool, or None (= every real sequence continues its slot's state).
       cu_seqlens: `[Ns + 1]` packed-sequence boundaries, or None.
-      implementation: `"xla"` or `"auto"`.
+      implementation: `"xla"`, `"triton"` or `"auto"` (the prefill kernel on a GPU; gather,
+        mask and scatter stay in XLA).
 
     Returns:
       `(y [B, T, C], new_pool)`; tokens of padding rows / sequences give 0.
@@ -259,7 +267,11 @@ def causal_conv1d_prefill_pool(
         rows = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
     _check_state("conv_pool", conv_pool, conv_pool.shape[0], x.shape[2], width)
     check_slot_ids(slot_ids, rows, conv_pool.shape[0], has_initial_state)
-    resolve_implementation(implementation, supported=_SUPPORTED)
+    conv = reference.causal_conv1d
+    if resolve_implementation(implementation, supported=_PREFILL_SUPPORTED) == "triton":
+        from attn.conv1d import triton_prefill as kernel
+
+        conv = kernel.causal_conv1d
     return reference.causal_conv1d_prefill_pool(
         x, conv_pool, slot_ids, weight, bias, activation=activation,
-        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens)
+        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, conv=conv)

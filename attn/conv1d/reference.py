@@ -181,17 +181,20 @@ def causal_conv1d_prefill_pool(
     activation: str | None = None,
     has_initial_state: Bool[Array, " Ns"] | None = None,
     cu_seqlens: Int[Array, " Ns+1"] | None = None,
+    conv=None,
 ) -> tuple[Float[Array, "B T C"], Float[Array, "slots C Wm1"]]:
     """Prefill on a slot pool: states from `pool[slot_ids]` (or zeros), final states written back.
 
     `slot_ids` has one entry per batch row, or per sequence in varlen mode. Tokens of padding rows
-    / sequences (slot 0) give `y = 0`.
+    / sequences (slot 0) give `y = 0`. `conv` replaces `causal_conv1d` (same signature; the api
+    passes the Triton kernel's wrapper), None for this reference.
 
     Returns:
       `(y [B, T, C], new_pool)`.
     """
     state, ids = gather_slots(conv_pool, slot_ids, has_initial_state)
-    y, final = causal_conv1d(x, weight, bias, initial_state=state, activation=activation,
+    conv = causal_conv1d if conv is None else conv
+    y, final = conv(x, weight, bias, initial_state=state, activation=activation,
                              cu_seqlens=cu_seqlens)
     if cu_seqlens is None:
         live = (ids > 0)[:, None, None]

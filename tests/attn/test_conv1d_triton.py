@@ -1,9 +1,13 @@
-"""The Triton causal conv1d update kernel on the slot pool against the reference: interpreted on
-CPU, compiled on GPU.
+"""The Triton causal conv1d kernels against the reference: interpreted on CPU, compiled on GPU.
 
-Every case runs on a pool whose slots not carried by a live row (the null slot 0, free slots and
-the slot of a fresh request) hold NaN: outputs must match the reference on the clean pool, the live
-slots its new states, and every other slot must come back bitwise unchanged.
+Update kernel on the slot pool: every case runs on a pool whose slots not carried by a live row
+(the null slot 0, free slots and the slot of a fresh request) hold NaN: outputs must match the
+reference on the clean pool, the live slots its new states, and every other slot must come back
+bitwise unchanged.
+
+Prefill kernel: the edge lengths around W and the 64-token tiles, with and without a state,
+f32 and bf16, packed sequences; outputs start as NaN in the interpreter, so an unwritten element
+fails; final states are raw inputs and must match bitwise.
 """
 
 import jax
@@ -14,6 +18,7 @@ import pytest
 from attn import conv1d
 from attn.conv1d import reference as ref
 from attn.conv1d import triton as kernel
+from attn.conv1d import triton_prefill as prefill_kernel
 from tests.utils import assert_close, case_id, rng
 
 SLOTS = 9
@@ -151,3 +156,124 @@ def test_compiled_on_gpu_at_model_dims():
     y, new_pool = run(x, dirty, ids, weight)
     _check_pool_contract(y, new_pool, np.asarray(_poisoned(pool, slot_ids, has_init)), exp_y,
                          exp_pool, slot_ids)
+
+
+# Prefill kernel (`attn/conv1d/triton_prefill.py`).
+
+PREFILL_LENGTHS = (1, 3, 4, 5, 63, 64, 65, 200)  # shorter than, equal to, just past W; tiles of 64
+
+
+def _prefill_problem(gen, *, b, t, c, w=4, dtype, state, bias=True, state_dtype=None):
+    x = jnp.asarray(gen.standard_normal((b, t, c), np.float32), dtype)
+    weight = jnp.asarray(gen.standard_normal((c, w), np.float32) * 0.5, dtype)
+    bias_ = jnp.asarray(gen.standard_normal((c,), np.float32), dtype) if bias else None
+    h0 = None
+    if state:
+        h0 = jnp.asarray(gen.standard_normal((b, c, w - 1), np.float32), state_dtype or dtype)
+    return x, weight, bias_, h0
+
+
+def _check_prefill(y, final, exp_y, exp_final):
+    assert y.shape == exp_y.shape and y.dtype == exp_y.dtype
+    assert final.shape == exp_final.shape and final.dtype == exp_final.dtype
+    assert_close(y, exp_y, dtype=y.dtype)
+    # The final state holds raw inputs: bitwise equal.
+    np.testing.assert_array_equal(_bits(final), _bits(exp_final))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("state", [False, True], ids=["zero-state", "state"])
+def test_prefill_kernel_matches_reference_on_edge_lengths(dtype, state):
+    """B2, C40 (a masked channel tile), tiles of 32 tokens so a tile straddles the two rows."""
+    gen = rng()
+    cfg = prefill_kernel.Config(block_t=32, block_c=64)
+    for t in PREFILL_LENGTHS:
+        x, weight, bias, h0 = _prefill_problem(gen, b=2, t=t, c=40, dtype=dtype, state=state)
+        y, final = prefill_kernel.causal_conv1d(x, weight, bias, initial_state=h0,
+                                                activation="silu", config=cfg)
+        exp_y, exp_final = ref.causal_conv1d(x, weight, bias, initial_state=h0,
+                                             activation="silu")
+        _check_prefill(y, final, exp_y, exp_final)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_prefill_kernel_varlen(dtype):
+    """Packed sequences of 2, 0, 1, 3, 5, 64, 65 and 60 tokens (shorter than W - 1, empty, one
+    chunk, tile-crossing), each with its own state; no activation, W3, no bias."""
+    gen = rng()
+    lens = [2, 0, 1, 3, 5, 64, 65, 60]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    for state in (True, False):
+        x = jnp.asarray(gen.standard_normal((1, int(cu[-1]), 24), np.float32), dtype)
+        weight = jnp.asarray(gen.standard_normal((24, 3), np.float32), dtype)
+        h0 = (jnp.asarray(gen.standard_normal((len(lens), 24, 2), np.float32), dtype)
+              if state else None)
+        y, final = prefill_kernel.causal_conv1d(
+            x, weight, initial_state=h0, cu_seqlens=jnp.asarray(cu),
+            config=prefill_kernel.Config(block_t=32, block_c=16))
+        exp_y, exp_final = ref.causal_conv1d(x, weight, initial_state=h0,
+                                             cu_seqlens=jnp.asarray(cu))
+        _check_prefill(y, final, exp_y, exp_final)
+
+
+def test_prefill_kernel_f32_state_into_bf16_input_and_width_two():
+    """The state is rounded to x's dtype as in the reference; W2 keeps a one-column state."""
+    gen = rng()
+    x, weight, bias, h0 = _prefill_problem(gen, b=2, t=5, c=16, w=2, dtype=jnp.bfloat16,
+                                           state=True, state_dtype=jnp.float32)
+    y, final = prefill_kernel.causal_conv1d(x, weight, bias, initial_state=h0)
+    exp_y, exp_final = ref.causal_conv1d(x, weight, bias, initial_state=h0)
+    _check_prefill(y, final, exp_y, exp_final)
+
+
+def test_prefill_public_api_and_pool_dispatch_to_the_kernel_under_jit():
+    """`causal_conv1d` and `causal_conv1d_prefill_pool` with implementation="triton" under jit
+    give the reference's outputs; the pool keeps its NaN slots bitwise and padding rows give 0."""
+    gen = rng()
+    x, weight, bias, h0 = _prefill_problem(gen, b=4, t=7, c=32, dtype=jnp.bfloat16, state=True)
+    run = jax.jit(lambda *a: conv1d.causal_conv1d(*a[:3], initial_state=a[3], activation="silu",
+                                                  implementation="triton"))
+    _check_prefill(*run(x, weight, bias, h0),
+                   *ref.causal_conv1d(x, weight, bias, initial_state=h0, activation="silu"))
+
+    pool = jnp.asarray(gen.standard_normal((SLOTS, 32, 3), np.float32), jnp.bfloat16)
+    dirty = _poisoned(pool, SLOT_IDS, HAS_INIT)
+    init, ids = jnp.asarray(HAS_INIT), jnp.asarray(SLOT_IDS)
+    run_pool = jax.jit(lambda *a: conv1d.causal_conv1d_prefill_pool(
+        *a, activation="silu", has_initial_state=init, implementation="triton"))
+    y, new_pool = run_pool(x, dirty, ids, weight, bias)
+    exp_y, exp_pool = ref.causal_conv1d_prefill_pool(x, pool, ids, weight, bias,
+                                                     activation="silu", has_initial_state=init)
+    live = SLOT_IDS > 0
+    assert_close(np.asarray(y)[live], np.asarray(exp_y)[live], dtype=jnp.bfloat16)
+    assert (np.asarray(y.astype(jnp.float32))[~live] == 0).all()
+    written = SLOT_IDS[live]
+    np.testing.assert_array_equal(_bits(new_pool[written]), _bits(exp_pool[written]))
+    others = ~np.isin(np.arange(SLOTS), SLOT_IDS)
+    np.testing.assert_array_equal(_bits(new_pool[others]), _bits(dirty[others]))
+
+
+def test_prefill_config_validation():
+    with pytest.raises(ValueError, match="block_t"):
+        prefill_kernel.Config(block_t=48)
+    with pytest.raises(ValueError, match="block_c"):
+        prefill_kernel.Config(block_c=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True], ids=["B1-T32K", "varlen"])
+def test_prefill_compiled_on_gpu_at_model_dims(varlen):
+    """T32K, C = 8192 (Qwen3.5's conv_dim), W4, bf16, SiLU, initial state; varlen: four packed
+    sequences (one shorter than W - 1)."""
+    gen = rng()
+    x, weight, _, h0 = _prefill_problem(gen, b=1, t=32768, c=8192, dtype=jnp.bfloat16,
+                                        state=True, bias=False)
+    cu = None
+    if varlen:
+        cu = jnp.asarray([0, 2, 1000, 20000, 32768], jnp.int32)
+        h0 = jnp.asarray(gen.standard_normal((4, 8192, 3), np.float32), jnp.bfloat16)
+    y, final = jax.jit(lambda *a: prefill_kernel.causal_conv1d(
+        *a, initial_state=h0, activation="silu", cu_seqlens=cu))(x, weight)
+    exp_y, exp_final = jax.jit(lambda *a: ref.causal_conv1d(
+        *a, initial_state=h0, activation="silu", cu_seqlens=cu))(x, weight)
+    _check_prefill(y, final, exp_y, exp_final)

@@ -1,0 +1,197 @@
+"""Triton causal depthwise conv1d prefill (state in, state out, packed sequences).
+
+Two kernels:
+
+* `_conv_prefill_kernel`, grid `(cdiv(tokens, BLOCK_T), cdiv(C, BLOCK_C))`: one program computes a
+  `[BLOCK_T, BLOCK_C]` tile of `y` over the flattened token axis (`B · T` rows, or the packed row
+  with `cu_seqlens`). Tap j reads the tile shifted back by `W - 1 - j` tokens: the first of the W
+  loads brings the `W - 1` halo rows before the tile, the others hit L1 / L2, so DRAM sees each
+  input about once (memory-bound: `x` in, `y` out). A token whose tap reaches before its own
+  sequence's start reads that sequence's initial state instead (or zero), so tiles may straddle
+  sequence boundaries freely.
+* `_conv_final_state_kernel`, grid `(Ns, cdiv(C, BLOCK_C))`: the last `W - 1` raw inputs of
+  `concat(state, x)` per sequence (part of the old state when a sequence is shorter than `W - 1`).
+
+Numerics follow `attn.conv1d.reference.causal_conv1d`: the initial state is rounded to x's dtype
+first (XLA, before the call), products and the sum over taps (tap 0 first, then the bias) are
+float32, SiLU in float32, `y` and the final state in x's dtype.
+
+Supports: any C and W >= 2 (W padded to a power of two and masked in the state kernel), optional
+bias and initial state, SiLU or none, any float dtype, varlen via `cu_seqlens` (zero-length
+sequences included). Not supported: gradients, channels-first inputs.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+from attn._harness import triton_call
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """Launch configuration: token rows and channels per program, warps per program."""
+
+    block_t: int = 64
+    block_c: int = 128
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if self.block_t < 1 or self.block_t & (self.block_t - 1):
+            raise ValueError(f"{self.block_t=} must be a power of two")
+        if self.block_c < 16 or self.block_c & (self.block_c - 1):
+            raise ValueError(f"{self.block_c=} must be a power of two >= 16")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"{self.num_warps=} must be a power of two >= 1")
+
+
+@triton.jit
+def _conv_prefill_kernel(
+    x_ptr,  # [N_TOK, C] flattened tokens
+    w_ptr,  # [C, W]
+    bias_ptr,  # [C] (a dummy unless HAS_BIAS)
+    seq_ptr,  # [N_TOK] int32 sequence of each token (a dummy unless VARLEN)
+    cu_ptr,  # [Ns + 1] int32 sequence starts (a dummy unless VARLEN)
+    state_ptr,  # [Ns, C, W - 1] in x's dtype (a dummy unless HAS_STATE)
+    y_ptr,  # [N_TOK, C]
+    N_TOK: tl.constexpr,
+    T_ROW: tl.constexpr,  # tokens per batch row without VARLEN
+    C: tl.constexpr,
+    W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    VARLEN: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    mask_t = offs_t < N_TOK
+    mask_c = offs_c < C
+    if VARLEN:
+        seq = tl.load(seq_ptr + offs_t, mask=mask_t, other=0)  # [BLOCK_T]
+        start = tl.load(cu_ptr + seq, mask=mask_t, other=0)
+    else:
+        seq = offs_t // T_ROW
+        start = seq * T_ROW
+    pos = offs_t - start  # position inside its own sequence
+    rows = offs_t.to(tl.int64) * C
+
+    acc = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
+    for j in tl.static_range(W):
+        back = W - 1 - j  # tap j reads the input `back` tokens before the current one
+        from_x = pos >= back  # [BLOCK_T]
+        xj = tl.load(  # [BLOCK_T, BLOCK_C]
+            x_ptr + (rows - back * C)[:, None] + offs_c[None, :],
+            mask=(mask_t & from_x)[:, None] & mask_c[None, :], other=0.0,
+        )
+        if HAS_STATE:
+            # State column pos + j < W - 1: the input `back - pos` tokens before the sequence.
+            sj = tl.load(  # [BLOCK_T, BLOCK_C]
+                state_ptr + (seq.to(tl.int64) * (C * (W - 1)) + pos + j)[:, None]
+                + offs_c[None, :] * (W - 1),
+                mask=(mask_t & (pos < back))[:, None] & mask_c[None, :], other=0.0,
+            )
+            xj = tl.where(from_x[:, None], xj, sj)
+        wj = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)  # [BLOCK_C]
+        acc += xj.to(tl.float32) * wj[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y_ptr + rows[:, None] + offs_c[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask_t[:, None] & mask_c[None, :])
+
+
+@triton.jit
+def _conv_final_state_kernel(
+    x_ptr,  # [N_TOK, C]
+    cu_ptr,  # [Ns + 1] int32
+    state_ptr,  # [Ns, C, W - 1] (a dummy unless HAS_STATE)
+    final_ptr,  # [Ns, C, W - 1]
+    C: tl.constexpr,
+    W: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    i = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    offs_m = tl.arange(0, BLOCK_W)  # state column m
+    mask_c = offs_c < C
+    mask_m = offs_m < W - 1
+    start = tl.load(cu_ptr + i)
+    end = tl.load(cu_ptr + i + 1)
+    e = end - start + offs_m  # entry m is xe[L + m] of xe = concat(state, x)
+    from_x = e >= W - 1
+    tok = end - (W - 1) + offs_m  # [BLOCK_W]
+    mask = mask_c[:, None] & mask_m[None, :]
+    out = tl.load(  # [BLOCK_C, BLOCK_W]
+        x_ptr + tok.to(tl.int64)[None, :] * C + offs_c[:, None],
+        mask=mask & from_x[None, :], other=0.0,
+    )
+    base = i.to(tl.int64) * (C * (W - 1)) + offs_c[:, None] * (W - 1)  # [BLOCK_C, 1]
+    if HAS_STATE:
+        old = tl.load(state_ptr + base + e[None, :], mask=mask & (e < W - 1)[None, :], other=0.0)
+        out = tl.where(from_x[None, :], out, old)
+    tl.store(final_ptr + base + offs_m[None, :], out.to(final_ptr.dtype.element_ty), mask=mask)
+
+
+def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation=None, cu_seqlens=None,
+                  config: Config | None = None):
+    """Causal conv1d prefill through the kernels; inputs validated by `attn.conv1d.api`.
+
+    Args:
+      x: `[B, T, C]` (`B == 1` with `cu_seqlens`).
+      weight: `[C, W]`; tap `W - 1` multiplies the current token.
+      bias: `[C]` or None.
+      initial_state: `[Ns, C, W - 1]` (cast to x's dtype), or None for zeros.
+      activation: `"silu"` or None.
+      cu_seqlens: `[Ns + 1]` integer boundaries of the packed sequences, or None (`Ns = B`).
+      config: launch configuration; None for `Config()`.
+
+    Returns:
+      `(y [B, T, C] in x.dtype, final_state [Ns, C, W - 1] in x.dtype)`.
+    """
+    b, t, c = x.shape
+    w = weight.shape[1]
+    n_tok = b * t
+    config = Config() if config is None else config
+    if cu_seqlens is None:
+        n_seq = b
+        cu = jnp.asarray(np.arange(b + 1, dtype=np.int32) * t)
+        seq = jnp.zeros((1,), jnp.int32)
+    else:
+        n_seq = cu_seqlens.shape[0] - 1
+        cu = cu_seqlens.astype(jnp.int32)
+        seq = jnp.minimum(jnp.searchsorted(cu[1:], jnp.arange(n_tok, dtype=jnp.int32),
+                                           side="right"), n_seq - 1).astype(jnp.int32)
+    has_state = initial_state is not None
+    state = (initial_state.astype(x.dtype) if has_state else jnp.zeros((1,), x.dtype))
+    xf = x.reshape(n_tok, c)
+    block_c = min(config.block_c, max(16, triton.next_power_of_2(c)))
+    block_t = min(config.block_t, triton.next_power_of_2(n_tok))
+    y = triton_call(
+        xf, weight, jnp.zeros((1,), jnp.float32) if bias is None else bias, seq, cu, state,
+        kernel=_conv_prefill_kernel,
+        out_shape=jax.ShapeDtypeStruct((n_tok, c), x.dtype),
+        grid=(triton.cdiv(n_tok, block_t), triton.cdiv(c, block_c)),
+        num_warps=config.num_warps,
+        N_TOK=n_tok, T_ROW=t, C=c, W=w, HAS_BIAS=bias is not None, HAS_STATE=has_state,
+        VARLEN=cu_seqlens is not None, SILU=activation == "silu", BLOCK_T=block_t,
+        BLOCK_C=block_c,
+    )
+    final = triton_call(
+        xf, cu, state,
+        kernel=_conv_final_state_kernel,
+        out_shape=jax.ShapeDtypeStruct((n_seq, c, w - 1), x.dtype),
+        grid=(n_seq, triton.cdiv(c, block_c)),
+        num_warps=config.num_warps,
+        C=c, W=w, HAS_STATE=has_state, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(w - 1),
+    )
+    return y.reshape(b, t, c), final
