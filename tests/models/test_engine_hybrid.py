@@ -312,3 +312,44 @@ class _FakeModel:
         layer = dataclasses.make_dataclass("Layer", [("mixer", object)])
         self.layers = [layer(m) for m in mixers]
         self.dtype = jnp.float32
+
+
+@pytest.mark.slow
+def test_soak_no_leaks_no_recompiles(load):
+    """10^4 steps of random traffic on the hybrid (random lengths, dense / streaming / head-wise
+    policies, sampling, preemption): the host page mirror equals the device after every step, no
+    trace after warm-up, and at the end every page is free and every row's GDN slot is zero."""
+    model = load("qwen3_next")
+    engine = Engine(model, **SHAPE)
+    rng = np.random.default_rng(0)
+    layers, heads = len(model.layers), engine.num_kv_heads
+    policies = [None, Policy.streaming(layers, heads, window=16, sinks=8),
+                Policy.headwise(layers, heads, window=8, sinks=4)]
+
+    def add():
+        n = int(rng.integers(1, 49))  # prompt + output <= 88 tokens: 11 pages, all there are
+        params = SamplingParams(max_tokens=int(rng.integers(1, 41)), seed=int(rng.integers(9)),
+                                temperature=float(rng.choice([0.0, 0.8])))
+        engine.add(Request(prompts([n], seed=int(rng.integers(1 << 30)))[0], params,
+                           policies[int(rng.integers(len(policies)))]))
+
+    for _ in range(4):
+        add()
+    for _ in range(5):
+        engine.step()
+    before = dict(engine_mod.TRACES)
+    steps = 0
+    while steps < 10_000:
+        if len(engine.waiting) < 2:
+            add()
+        engine.step()
+        steps += 1
+        held = engine.pages_held().sum(axis=0)[1]
+        assert np.array_equal(engine.free_pages()[1], engine.num_pages - 1 - held)
+    engine.waiting.clear()
+    engine.run()
+    assert dict(engine_mod.TRACES) == before
+    assert engine.stats["preemptions"] > 0
+    assert np.all(engine.free_pages()[1] == engine.num_pages - 1)
+    for pool in gdn_pools(engine):
+        assert not np.asarray(pool.conv[1:]).any() and not np.asarray(pool.ssm[1:]).any()
