@@ -1,8 +1,10 @@
 """Public Gated DeltaNet ops: validation once, then the backend.
 
 Semantics, layouts and the HF conventions they follow are documented in `attn/gdn/reference.py`.
-`gdn_decode_pool` has a Triton kernel (`attn/gdn/triton.py`, the default on a GPU); the other ops
-are XLA only and raise NotImplementedError for `implementation="triton"` / `"mosaic"`.
+`gdn_decode_pool` has a Triton kernel (`attn/gdn/triton.py`) and `gdn_chunked` /
+`gdn_prefill_pool` a chunked one for prefill (`attn/gdn/triton_chunk.py`, chunk_size 64 only), the
+defaults on a GPU; the other ops are XLA only and raise NotImplementedError for
+`implementation="triton"` / `"mosaic"`.
 """
 
 from jaxtyping import Array, Bool, Float, Int
@@ -14,6 +16,8 @@ from attn.gdn import reference
 
 _SUPPORTED = ("xla",)
 _DECODE_POOL_SUPPORTED = ("triton", "xla")
+_CHUNKED_SUPPORTED = ("triton", "xla")
+_TRITON_CHUNK = 64  # attn.gdn.triton_chunk.CHUNK, without importing triton here
 
 
 def _check_inputs(q, k, v, g, beta, scale, single_token: bool = False) -> tuple[int, ...]:
@@ -59,6 +63,25 @@ def _check_chunk(chunk_size: int) -> None:
     if not isinstance(chunk_size, int):
         raise TypeError(f"{chunk_size=} must be a Python int")
     _checks.check_positive("chunk_size", chunk_size)
+
+
+def _chunked_backend(implementation: str, chunk_size: int):
+    """`gdn_chunked`-compatible function for `implementation`: the Triton pipeline (chunk 64
+    only; `"auto"` falls back to XLA for other sizes) or the reference."""
+    impl = resolve_implementation(implementation, supported=_CHUNKED_SUPPORTED)
+    if impl == "triton" and chunk_size != _TRITON_CHUNK:
+        if implementation == "triton":
+            raise NotImplementedError(f"the Triton chunked kernel has chunk_size="
+                                      f"{_TRITON_CHUNK} only; got {chunk_size=}")
+        impl = "xla"
+    if impl == "xla":
+        return reference.gdn_chunked
+    from attn.gdn import triton_chunk
+
+    def run(q, k, v, g, beta, *, chunk_size, **kw):
+        del chunk_size  # checked above
+        return triton_chunk.gdn_chunked(q, k, v, g, beta, **kw)
+    return run
 
 
 def gdn_gating(
@@ -166,7 +189,8 @@ def gdn_chunked(
       chunk_size: tokens per chunk `C` (static).
       cu_seqlens: `[Ns + 1]` integer boundaries of sequences packed into one row (`B == 1`); no
         chunk crosses a boundary and each sequence has its own initial and final state.
-      implementation: `"xla"` or `"auto"`.
+      implementation: `"xla"`, `"triton"` (chunk_size 64 only) or `"auto"` (the Triton kernels on
+        a GPU when chunk_size is 64, else XLA).
 
     Returns:
       `(o [B, T, Nv, Hv] in q.dtype, final_state [Ns, Nv, H, Hv] float32)`.
@@ -174,16 +198,16 @@ def gdn_chunked(
     Raises:
       ValueError: shapes disagree, bad `cu_seqlens`, `chunk_size <= 0`, `scale <= 0`.
       TypeError: non-floating inputs, non-integer `cu_seqlens` or `chunk_size`.
+      NotImplementedError: `implementation="triton"` with a chunk_size other than 64.
     """
     bsz, t, _, nv, h, hv = _check_inputs(q, k, v, g, beta, scale)
     _check_chunk(chunk_size)
     rows = bsz if cu_seqlens is None else check_cu_seqlens(cu_seqlens, bsz, t)
     if initial_state is not None:
         _check_state("initial_state", initial_state, rows, nv, h, hv)
-    resolve_implementation(implementation, supported=_SUPPORTED)
-    return reference.gdn_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                 use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
-                                 cu_seqlens=cu_seqlens)
+    chunked = _chunked_backend(implementation, chunk_size)
+    return chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                   use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
 
 
 def gdn_decode_step(
@@ -281,7 +305,7 @@ def gdn_prefill_pool(
       ssm_pool: `[slots, Nv, H, Hv]`.
       slot_ids: `[Ns]` one slot per row (or per sequence with `cu_seqlens`); 0 = padding.
       has_initial_state: `[Ns]` bool, or None (= every real sequence continues its slot).
-      implementation: `"xla"` or `"auto"`.
+      implementation: as `gdn_chunked` (gather, mask and scatter stay in XLA).
 
     Returns:
       `(o [B, T, Nv, Hv], new_pool)`; tokens of padding rows / sequences give 0.
@@ -289,14 +313,15 @@ def gdn_prefill_pool(
     Raises:
       ValueError: shapes disagree, bad slot ids or boundaries.
       TypeError: wrong dtypes.
+      NotImplementedError: `implementation="triton"` with a chunk_size other than 64.
     """
     bsz, t, _, nv, h, hv = _check_inputs(q, k, v, g, beta, scale)
     _check_chunk(chunk_size)
     rows = bsz if cu_seqlens is None else check_cu_seqlens(cu_seqlens, bsz, t)
     _check_pool(ssm_pool, nv, h, hv)
     check_slot_ids(slot_ids, rows, ssm_pool.shape[0], has_initial_state)
-    resolve_implementation(implementation, supported=_SUPPORTED)
+    chunked = _chunked_backend(implementation, chunk_size)
     return reference.gdn_prefill_pool(q, k, v, g, beta, ssm_pool, slot_ids,
                                       has_initial_state=has_initial_state, scale=scale,
                                       use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
-                                      cu_seqlens=cu_seqlens)
+                                      cu_seqlens=cu_seqlens, chunked=chunked)

@@ -283,12 +283,15 @@ def gdn_prefill_pool(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     cu_seqlens: Int[Array, " Ns+1"] | None = None,
+    chunked=None,
 ) -> tuple[Float[Array, "B T Nv Hv"], Float[Array, "slots Nv H Hv"]]:
     """Chunked prefill on a slot pool: `h0 = where(has_init, pool[slot], 0)`, final states written
-    back to the slots. Tokens of padding rows / sequences (slot 0) output 0.
+    back to the slots. Tokens of padding rows / sequences (slot 0) output 0. `chunked` replaces
+    `gdn_chunked` (same keywords; the api passes the Triton pipeline), None for this reference.
     """
     h0, ids = gather_slots(ssm_pool, slot_ids, has_initial_state)
-    o, final = gdn_chunked(q, k, v, g, beta, scale=scale, initial_state=h0,
+    chunked = gdn_chunked if chunked is None else chunked
+    o, final = chunked(q, k, v, g, beta, scale=scale, initial_state=h0,
                            use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
                            cu_seqlens=cu_seqlens)
     if cu_seqlens is None:

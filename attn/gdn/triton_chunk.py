@@ -6,10 +6,10 @@ first token and length (0 for the unused slots of the static varlen bound). Per 
 head, with `G` the chunk-local cumulative sum of g and `L_ij = exp(G_i − G_j)` for `j <= i`:
 
 1. `_intra_kernel`, grid `(chunks, Nv)`: `G` (stored, float32); the strictly lower
-   `A = (β K Kᵀ) ⊙ L` as 4 × 4 blocks of 16 (10 dots); `T = (I + A)⁻¹` by forward substitution on
-   the four diagonal 16 × 16 blocks and block back-substitution for the six below (fla's
-   `solve_tril` scheme, kept in registers); the WY pair `W = T (β K ⊙ exp(G))` `[C, H]` and
-   `U = T (β V)` `[C, Hv]`, stored.
+   `A = (β K Kᵀ) ⊙ L` `[C, C]`; `T = (I + A)⁻¹` in registers: forward substitution inside the four
+   16 × 16 diagonal blocks (15 steps, each one `[C, C]` dot over all four blocks at once), then
+   the blocks below through the nilpotent block-lower remainder (4 dots, see the kernel); the WY
+   pair `W = T (β K ⊙ exp(G))` `[C, H]` and `U = T (β V)` `[C, Hv]`, stored.
 2. `_state_kernel`, grid `(Ns, Nv, cdiv(Hv, BLOCK_HV))`: the sequential part. One program walks
    its sequence's chunks with a `[H, BLOCK_HV]` float32 state tile in registers: it stores the
    state entering each chunk, `V_new = U − W S` (stored), then
@@ -82,37 +82,6 @@ def _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS: tl.constexpr, L2NORM:
 
 
 @triton.jit
-def _load_rows(k_ptr, v_ptr, g_ptr, beta_ptr, start, n, s, head, kh, offs_h, mask_h, offs_v,
-               mask_v, EPS: tl.constexpr, L2NORM: tl.constexpr, NK: tl.constexpr,
-               NV: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, SUB: tl.constexpr):
-    """Rows `s·SUB ..` of a chunk: keys `[SUB, BLOCK_H]`, values `[SUB, BLOCK_HV]`, g, beta."""
-    r = s * SUB + tl.arange(0, SUB)
-    valid = r < n
-    tok = (start + r).to(tl.int64)
-    k = _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
-    v = tl.load(v_ptr + (tok * NV + head)[:, None] * HV + offs_v[None, :],
-                mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + tok * NV + head, mask=valid, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + tok * NV + head, mask=valid, other=0.0).to(tl.float32)
-    return k, v, g, beta, tok, valid
-
-
-@triton.jit
-def _block(ki, bi, gi, kj, gj, IEEE: tl.constexpr):
-    """Below-diagonal block `(β_i K_i K_jᵀ) ⊙ exp(G_i − G_j)`, `[SUB, SUB]` (every i after j)."""
-    return _dot(ki * bi[:, None], tl.trans(kj), IEEE) * tl.exp(gi[:, None] - gj[None, :])
-
-
-@triton.jit
-def _diag_block(ki, bi, gi, SUB: tl.constexpr, IEEE: tl.constexpr):
-    """Strictly lower part of a diagonal block; the mask comes before the exp (no overflow)."""
-    r = tl.arange(0, SUB)
-    lower = r[:, None] > r[None, :]
-    decay = tl.exp(tl.where(lower, gi[:, None] - gi[None, :], float("-inf")))
-    return tl.where(lower, _dot(ki * bi[:, None], tl.trans(ki), IEEE) * decay, 0.0)
-
-
-@triton.jit
 def _store_rows(ptr, tok, valid, head, offs, mask, x, NV: tl.constexpr, D: tl.constexpr):
     tl.store(ptr + (tok * NV + head)[:, None] * D + offs[None, :], x.to(ptr.dtype.element_ty),
              mask=valid[:, None] & mask[None, :])
@@ -136,6 +105,7 @@ def _intra_kernel(
     NV: tl.constexpr,
     H: tl.constexpr,
     HV: tl.constexpr,
+    BT: tl.constexpr,
     SUB: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
@@ -149,93 +119,40 @@ def _intra_kernel(
     offs_v = tl.arange(0, BLOCK_HV)
     mask_h = offs_h < H
     mask_v = offs_v < HV
+    r = tl.arange(0, BT)
+    valid = r < n
+    tok = (start + r).to(tl.int64)
 
-    k0, v0, g0, b0, t0, m0 = _load_rows(k_ptr, v_ptr, g_ptr, beta_ptr, start, n, 0, head, kh,
-                                        offs_h, mask_h, offs_v, mask_v, EPS, L2NORM, NK, NV, H,
-                                        HV, SUB)
-    k1, v1, g1, b1, t1, m1 = _load_rows(k_ptr, v_ptr, g_ptr, beta_ptr, start, n, 1, head, kh,
-                                        offs_h, mask_h, offs_v, mask_v, EPS, L2NORM, NK, NV, H,
-                                        HV, SUB)
-    k2, v2, g2, b2, t2, m2 = _load_rows(k_ptr, v_ptr, g_ptr, beta_ptr, start, n, 2, head, kh,
-                                        offs_h, mask_h, offs_v, mask_v, EPS, L2NORM, NK, NV, H,
-                                        HV, SUB)
-    k3, v3, g3, b3, t3, m3 = _load_rows(k_ptr, v_ptr, g_ptr, beta_ptr, start, n, 3, head, kh,
-                                        offs_h, mask_h, offs_v, mask_v, EPS, L2NORM, NK, NV, H,
-                                        HV, SUB)
-    # Chunk-local cumulative log-decay G, [SUB] per block (padding rows add g = 0).
-    last = tl.arange(0, SUB) == SUB - 1
-    g0 = tl.cumsum(g0, axis=0)
-    g1 = tl.cumsum(g1, axis=0) + tl.sum(tl.where(last, g0, 0.0), axis=0)
-    g2 = tl.cumsum(g2, axis=0) + tl.sum(tl.where(last, g1, 0.0), axis=0)
-    g3 = tl.cumsum(g3, axis=0) + tl.sum(tl.where(last, g2, 0.0), axis=0)
-    tl.store(gcum_ptr + t0 * NV + head, g0, mask=m0)
-    tl.store(gcum_ptr + t1 * NV + head, g1, mask=m1)
-    tl.store(gcum_ptr + t2 * NV + head, g2, mask=m2)
-    tl.store(gcum_ptr + t3 * NV + head, g3, mask=m3)
+    k = _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)  # [BT, BLOCK_H]
+    v = tl.load(v_ptr + (tok * NV + head)[:, None] * HV + offs_v[None, :],  # [BT, BLOCK_HV]
+                mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + tok * NV + head, mask=valid, other=0.0).to(tl.float32)  # [BT]
+    gc = tl.cumsum(tl.load(g_ptr + tok * NV + head, mask=valid, other=0.0).to(tl.float32),
+                   axis=0)  # G, chunk-local; padding rows add g = 0
+    tl.store(gcum_ptr + tok * NV + head, gc, mask=valid)
 
-    # A = StrictLower((β K Kᵀ) ⊙ L) in 4 × 4 blocks; a00..a33 on the diagonal, a_ij below.
-    a00 = _diag_block(k0, b0, g0, SUB, IEEE)
-    a11 = _diag_block(k1, b1, g1, SUB, IEEE)
-    a22 = _diag_block(k2, b2, g2, SUB, IEEE)
-    a33 = _diag_block(k3, b3, g3, SUB, IEEE)
-    a10 = _block(k1, b1, g1, k0, g0, IEEE)
-    a20 = _block(k2, b2, g2, k0, g0, IEEE)
-    a21 = _block(k2, b2, g2, k1, g1, IEEE)
-    a30 = _block(k3, b3, g3, k0, g0, IEEE)
-    a31 = _block(k3, b3, g3, k1, g1, IEEE)
-    a32 = _block(k3, b3, g3, k2, g2, IEEE)
-
-    # Diagonal blocks of T: (I + a_ii)⁻¹ by forward substitution, one row at a time:
-    # d[r] = e_r − Σ_{s<r} a[r, s] d[s] (row r of a is zero from column r on).
-    r = tl.arange(0, SUB)
+    # A = StrictLower((β K Kᵀ) ⊙ L), [BT, BT]; the mask comes before the exp (no overflow).
+    lower = r[:, None] > r[None, :]
+    decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
+    a = tl.where(lower, _dot(k * beta[:, None], tl.trans(k), IEEE) * decay, 0.0)
+    # (I + A)⁻¹: forward substitution inside the SUB × SUB diagonal blocks, all blocks at once
+    # (row i of every block per step: d[r] = e_r − Σ_{s<r} a[r, s] d[s]) gives the block-diagonal
+    # inverse D. With N = D A_off (strictly block-lower, N^4 = 0 for 4 blocks),
+    # I + A = D⁻¹ (I + N), so (I + A)⁻¹ = (I − N)(I + N²) D.
+    same = (r[:, None] // SUB) == (r[None, :] // SUB)
+    a_diag = tl.where(same, a, 0.0)
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    d0 = eye
-    d1 = eye
-    d2 = eye
-    d3 = eye
+    d = eye
     for i in range(1, SUB):
-        row = r[:, None] == i  # [SUB, 1]
-        d0 = tl.where(row, d0 - tl.sum(tl.sum(tl.where(row, a00, 0.0), axis=0)[:, None] * d0,
-                                       axis=0)[None, :], d0)
-        d1 = tl.where(row, d1 - tl.sum(tl.sum(tl.where(row, a11, 0.0), axis=0)[:, None] * d1,
-                                       axis=0)[None, :], d1)
-        d2 = tl.where(row, d2 - tl.sum(tl.sum(tl.where(row, a22, 0.0), axis=0)[:, None] * d2,
-                                       axis=0)[None, :], d2)
-        d3 = tl.where(row, d3 - tl.sum(tl.sum(tl.where(row, a33, 0.0), axis=0)[:, None] * d3,
-                                       axis=0)[None, :], d3)
-    # Blocks below: T_ij = −d_i Σ_{j<=m<i} a_im T_mj, with T_jj = d_j.
-    t10 = -_dot(d1, _dot(a10, d0, IEEE), IEEE)
-    t21 = -_dot(d2, _dot(a21, d1, IEEE), IEEE)
-    t32 = -_dot(d3, _dot(a32, d2, IEEE), IEEE)
-    t20 = -_dot(d2, _dot(a20, d0, IEEE) + _dot(a21, t10, IEEE), IEEE)
-    t31 = -_dot(d3, _dot(a31, d1, IEEE) + _dot(a32, t21, IEEE), IEEE)
-    t30 = -_dot(d3, _dot(a30, d0, IEEE) + _dot(a31, t10, IEEE) + _dot(a32, t20, IEEE), IEEE)
+        sel = (r % SUB == i)[:, None]
+        d = tl.where(sel, d - _dot(tl.where(sel, a_diag, 0.0), d, IEEE), d)
+    nil = _dot(d, tl.where(same, 0.0, a), IEEE)
+    t_inv = _dot(_dot(eye - nil, eye + _dot(nil, nil, IEEE), IEEE), d, IEEE)  # [BT, BT]
 
-    # W = T (β K ⊙ exp(G)), U = T (β V), block row by block row.
-    rk0 = k0 * (b0 * tl.exp(g0))[:, None]
-    rk1 = k1 * (b1 * tl.exp(g1))[:, None]
-    rk2 = k2 * (b2 * tl.exp(g2))[:, None]
-    rk3 = k3 * (b3 * tl.exp(g3))[:, None]
-    rv0 = v0 * b0[:, None]
-    rv1 = v1 * b1[:, None]
-    rv2 = v2 * b2[:, None]
-    rv3 = v3 * b3[:, None]
-    _store_rows(w_ptr, t0, m0, head, offs_h, mask_h, _dot(d0, rk0, IEEE), NV, H)
-    _store_rows(u_ptr, t0, m0, head, offs_v, mask_v, _dot(d0, rv0, IEEE), NV, HV)
-    _store_rows(w_ptr, t1, m1, head, offs_h, mask_h,
-                _dot(t10, rk0, IEEE) + _dot(d1, rk1, IEEE), NV, H)
-    _store_rows(u_ptr, t1, m1, head, offs_v, mask_v,
-                _dot(t10, rv0, IEEE) + _dot(d1, rv1, IEEE), NV, HV)
-    _store_rows(w_ptr, t2, m2, head, offs_h, mask_h,
-                _dot(t20, rk0, IEEE) + _dot(t21, rk1, IEEE) + _dot(d2, rk2, IEEE), NV, H)
-    _store_rows(u_ptr, t2, m2, head, offs_v, mask_v,
-                _dot(t20, rv0, IEEE) + _dot(t21, rv1, IEEE) + _dot(d2, rv2, IEEE), NV, HV)
-    _store_rows(w_ptr, t3, m3, head, offs_h, mask_h,
-                _dot(t30, rk0, IEEE) + _dot(t31, rk1, IEEE) + _dot(t32, rk2, IEEE)
-                + _dot(d3, rk3, IEEE), NV, H)
-    _store_rows(u_ptr, t3, m3, head, offs_v, mask_v,
-                _dot(t30, rv0, IEEE) + _dot(t31, rv1, IEEE) + _dot(t32, rv2, IEEE)
-                + _dot(d3, rv3, IEEE), NV, HV)
+    w = _dot(t_inv, k * (beta * tl.exp(gc))[:, None], IEEE)  # W = T (β K ⊙ exp(G))
+    u = _dot(t_inv, v * beta[:, None], IEEE)  # U = T (β V)
+    _store_rows(w_ptr, tok, valid, head, offs_h, mask_h, w, NV, H)
+    _store_rows(u_ptr, tok, valid, head, offs_v, mask_v, u, NV, HV)
 
 
 @triton.jit
@@ -427,7 +344,7 @@ def gdn_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2no
         grid=(n_chunks, nv),
         num_warps=config.num_warps,
         num_stages=1,
-        SUB=_SUB, BLOCK_HV=max(16, triton.next_power_of_2(hv)), **common,
+        BT=CHUNK, SUB=_SUB, BLOCK_HV=max(16, triton.next_power_of_2(hv)), **common,
     )
     has_init = initial_state is not None
     h0 = initial_state.astype(jnp.float32) if has_init else jnp.zeros((1,), jnp.float32)

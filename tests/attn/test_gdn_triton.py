@@ -1,10 +1,16 @@
-"""The Triton GDN decode kernel on the slot pool against the reference: interpreted on CPU,
-compiled on GPU.
+"""The Triton GDN kernels against the reference: interpreted on CPU, compiled on GPU.
 
-Every case runs on a pool whose slots not carried by a live row (the null slot 0, free slots and
-the slot of a fresh request) hold NaN: outputs must match the reference on the clean pool, the live
-slots its new states, and every other slot must come back bitwise unchanged.
+Decode kernel on the slot pool: every case runs on a pool whose slots not carried by a live row
+(the null slot 0, free slots and the slot of a fresh request) hold NaN: outputs must match the
+reference on the clean pool, the live slots its new states, and every other slot must come back
+bitwise unchanged.
+
+Chunked prefill pipeline: lengths around the 64-token chunk, with and without initial states,
+varlen with empty and one-token sequences, against the reference and a float64 recurrence;
+outputs start as NaN in the interpreter, so an unwritten element fails.
 """
+
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +20,7 @@ import pytest
 from attn import gdn
 from attn.gdn import reference as ref
 from attn.gdn import triton as kernel
+from attn.gdn import triton_chunk as chunk_kernel
 from tests.utils import assert_close, case_id, rng
 
 SLOTS = 9
@@ -151,3 +158,159 @@ def test_compiled_on_gpu_at_model_dims(l2norm):
     # over H = 128 run in another order, hence 1e-4 rather than 2e-5.
     _check_pool_contract(o, new_pool, dirty, exp_o, exp_pool, slot_ids, dtype=jnp.bfloat16,
                          pool_tol=1e-4)
+
+
+# Chunked prefill pipeline (`attn/gdn/triton_chunk.py`).
+
+CHUNK_LENGTHS = (1, 63, 64, 65, 200)  # one token, around one chunk, several chunks with a tail
+
+
+def _chunk_problem(gen, *, b, t, nk, nv, h, hv, dtype=jnp.float32, init=True, n_state=None):
+    """Random q/k/v, realistic gates (decay 0.4..0.99, beta 0.05..0.95), an initial state."""
+    q, k = (jnp.asarray(gen.standard_normal((b, t, nk, h), np.float32), dtype) for _ in range(2))
+    v = jnp.asarray(gen.standard_normal((b, t, nv, hv), np.float32), dtype)
+    g = jnp.asarray(np.log(gen.uniform(0.4, 0.99, (b, t, nv))), jnp.float32)
+    beta = jnp.asarray(gen.uniform(0.05, 0.95, (b, t, nv)), jnp.float32)
+    h0 = None
+    if init:
+        h0 = jnp.asarray(0.5 * gen.standard_normal((n_state or b, nv, h, hv)), jnp.float32)
+    return (q, k, v, g, beta), h0
+
+
+def _recurrent64(q, k, v, g, beta, h0, *, scale=None, l2norm=True):
+    """Float64 token loop of the gated delta rule (numpy), the oracle of both implementations."""
+    q, k, v, g, beta = (np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+                        for x in (q, k, v, g, beta))
+    if l2norm:
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    ratio = v.shape[2] // q.shape[2]
+    q, k = np.repeat(q, ratio, axis=2), np.repeat(k, ratio, axis=2)
+    b, t, nv, hv = v.shape
+    s = np.zeros((b, nv, q.shape[-1], hv)) if h0 is None else np.asarray(h0, np.float64).copy()
+    o = np.zeros(v.shape)
+    for i in range(t):
+        s = s * np.exp(g[:, i])[..., None, None]
+        u = beta[:, i, :, None] * (v[:, i] - np.einsum("bnhv,bnh->bnv", s, k[:, i]))
+        s = s + np.einsum("bnh,bnv->bnhv", k[:, i], u)
+        o[:, i] = np.einsum("bnhv,bnh->bnv", s, q[:, i])
+    return o, s
+
+
+@pytest.mark.parametrize("init", [True, False], ids=["state", "zero-state"])
+def test_chunked_kernel_matches_reference_and_float64(init):
+    """f32, B2, GVA 1 -> 2 value heads, H16 / Hv32, l2-norm: within 1e-5 of the float64
+    recurrence at every length, and within the f32 tolerance of the XLA reference at T = 65
+    (the reference compiles once per shape: one length keeps the test fast)."""
+    gen = rng()
+    for t in CHUNK_LENGTHS:
+        xs, h0 = _chunk_problem(gen, b=2, t=t, nk=1, nv=2, h=16, hv=32, init=init)
+        o, final = chunk_kernel.gdn_chunked(*xs, initial_state=h0, use_qk_l2norm=True)
+        assert o.shape == xs[2].shape and o.dtype == jnp.float32
+        assert final.shape == (2, 2, 16, 32) and final.dtype == jnp.float32
+        if t == 65:
+            exp_o, exp_final = ref.gdn_chunked(*xs, initial_state=h0, use_qk_l2norm=True)
+            assert_close(o, exp_o, err_msg=f"T={t}")
+            assert_close(final, exp_final, err_msg=f"T={t}")
+        o64, final64 = _recurrent64(*xs, h0)
+        assert_close(o, o64, atol=1e-5, rtol=1e-5, err_msg=f"T={t} vs float64")
+        assert_close(final, final64, atol=1e-5, rtol=1e-5, err_msg=f"T={t} vs float64")
+
+
+def test_chunked_kernel_varlen_against_per_sequence_float64():
+    """Packed sequences of 1, 63, 0, 65 and 64 tokens with their own states (GVA 2 -> 4): each
+    sequence's outputs and final state equal the float64 recurrence run on it alone; the empty
+    one keeps its initial state."""
+    gen = rng()
+    lens = [1, 63, 0, 65, 64]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    xs, h0 = _chunk_problem(gen, b=1, t=int(cu[-1]), nk=2, nv=4, h=16, hv=16,
+                            n_state=len(lens))
+    o, final = chunk_kernel.gdn_chunked(*xs, initial_state=h0, use_qk_l2norm=True,
+                                        cu_seqlens=jnp.asarray(cu))
+    assert final.shape == (len(lens), 4, 16, 16)
+    for i, (lo, hi) in enumerate(itertools.pairwise(cu)):
+        o64, final64 = _recurrent64(*(x[:, lo:hi] for x in xs), h0[i:i + 1])
+        assert_close(o[:, lo:hi], o64, atol=1e-5, rtol=1e-5, err_msg=f"sequence {i}")
+        assert_close(final[i:i + 1], final64, atol=1e-5, rtol=1e-5, err_msg=f"sequence {i}")
+
+
+def test_chunked_kernel_bf16_raw_keys_and_padded_dims():
+    """bf16 q/k/v (bf16 intermediates, TF32-style dots), no l2-norm (keys scaled to unit size
+    instead) with an explicit scale, H = 24 / Hv = 20 padded and masked, T = 130."""
+    gen = rng()
+    (q, k, v, g, beta), h0 = _chunk_problem(gen, b=1, t=130, nk=1, nv=2, h=24, hv=20,
+                                            dtype=jnp.bfloat16)
+    k = (k.astype(jnp.float32) * 24 ** -0.5).astype(jnp.bfloat16)
+    kw = dict(initial_state=h0, scale=0.3)
+    o, final = chunk_kernel.gdn_chunked(q, k, v, g, beta, **kw)
+    exp_o, exp_final = ref.gdn_chunked(q, k, v, g, beta, **kw)
+    assert o.dtype == jnp.bfloat16 and final.dtype == jnp.float32
+    assert_close(o, exp_o, dtype=jnp.bfloat16)
+    assert_close(final, exp_final, dtype=jnp.bfloat16)
+
+
+def test_chunked_public_api_and_pool_dispatch_to_the_kernel_under_jit():
+    """`gdn_chunked` and `gdn_prefill_pool` with implementation="triton" under jit: the pool's
+    NaN slots (null, free, a fresh request's stale slot) never leak in, padding rows give 0."""
+    gen = rng()
+    xs, _ = _chunk_problem(gen, b=4, t=9, nk=1, nv=2, h=16, hv=16, init=False)
+    pool = 0.5 * gen.standard_normal((SLOTS, 2, 16, 16)).astype(np.float32)
+    dirty = _poisoned(pool, SLOT_IDS, HAS_INIT)
+    kw = dict(has_initial_state=jnp.asarray(HAS_INIT), use_qk_l2norm=True)
+    run = jax.jit(lambda *a: gdn.gdn_prefill_pool(*a, **kw, implementation="triton"))
+    o, new_pool = run(*xs, jnp.asarray(dirty), jnp.asarray(SLOT_IDS))
+    exp_o, exp_pool = ref.gdn_prefill_pool(*xs, jnp.asarray(pool), jnp.asarray(SLOT_IDS), **kw)
+    o, new_pool = np.asarray(o), np.asarray(new_pool)
+    live = SLOT_IDS > 0
+    assert_close(o[live], np.asarray(exp_o)[live])
+    assert (o[~live] == 0).all(), "padding rows must output exactly 0"
+    assert_close(new_pool[SLOT_IDS[live]], np.asarray(exp_pool)[SLOT_IDS[live]])
+    # As the reference, the padding row writes its state to the null slot 0; no other slot moves.
+    untouched = ~np.isin(np.arange(SLOTS), SLOT_IDS)
+    np.testing.assert_array_equal(_bits(new_pool[untouched]), _bits(dirty[untouched]))
+
+    h0 = jnp.asarray(pool[1:5])
+    run = jax.jit(lambda *a: gdn.gdn_chunked(*a, initial_state=h0, implementation="triton"))
+    o, final = run(*xs)
+    exp_o, exp_final = ref.gdn_chunked(*xs, initial_state=h0)
+    assert_close(o, exp_o)
+    assert_close(final, exp_final)
+
+
+def test_chunked_triton_needs_chunk_64_and_config_validation():
+    gen = rng()
+    xs, _ = _chunk_problem(gen, b=1, t=3, nk=1, nv=1, h=16, hv=16, init=False)
+    with pytest.raises(NotImplementedError, match="chunk_size=32"):
+        gdn.gdn_chunked(*xs, chunk_size=32, implementation="triton")
+    with pytest.raises(ValueError, match="block_hv_state"):
+        chunk_kernel.Config(block_hv_state=8)
+    with pytest.raises(ValueError, match="num_stages"):
+        chunk_kernel.Config(num_stages=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True], ids=["B2-T4K", "varlen"])
+def test_chunked_compiled_on_gpu_at_model_dims(varlen):
+    """Nk16, Nv32, H = Hv = 128, bf16 q/k/v, l2-norm, initial states; varlen packs 5 sequences
+    (one empty, one of 1 token). bf16 intermediates (as fla's): relative-norm error <= 1e-2
+    against the float32 XLA reference, per output and final state."""
+    gen = rng()
+    cu = None
+    if varlen:
+        cu = np.asarray([0, 1, 1000, 1000, 3000, 4096], np.int32)
+        xs, h0 = _chunk_problem(gen, b=1, t=4096, nk=16, nv=32, h=128, hv=128,
+                                dtype=jnp.bfloat16, n_state=5)
+        cu = jnp.asarray(cu)
+    else:
+        xs, h0 = _chunk_problem(gen, b=2, t=4096, nk=16, nv=32, h=128, hv=128,
+                                dtype=jnp.bfloat16)
+    kw = dict(initial_state=h0, use_qk_l2norm=True, cu_seqlens=cu)
+    o, final = jax.jit(lambda *a: chunk_kernel.gdn_chunked(*a, **kw))(*xs)
+    exp_o, exp_final = jax.jit(lambda *a: ref.gdn_chunked(*a, **kw))(*xs)
+    for name, a, e in (("o", o, exp_o), ("final", final, exp_final)):
+        a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+        assert np.isfinite(a).all(), name
+        err = np.linalg.norm(a - e) / np.linalg.norm(e)
+        assert err <= 1e-2, f"{name}: relative error {err:.3g}"
