@@ -135,7 +135,12 @@ def main(argv=None):
     print(f"model {path}", file=sys.stderr)
     model = models.from_pretrained(path, dtype=args.dtype, progress=False)
     tokenizer = _tokenizer(path)
-    layers, heads = len(model.layers), model.layers[0].mixer.cfg.num_kv_heads
+    from models.layers.attention import Attention
+
+    # Policies are [L, K] over the model's layers; K of the softmax-attention layers.
+    layers = len(model.layers)
+    heads = next(m.cfg.num_kv_heads for m in (la.mixer for la in model.layers)
+                 if isinstance(m, Attention))
     samples = tasks.make_samples(tokenizer, tasks=args.tasks, lengths=args.lengths,
                                  depths=args.depths, samples=args.samples, seed=args.seed)
     policies = {
