@@ -198,18 +198,23 @@ def test_sample_top_k_and_top_p_restrict_support():
 
 
 def test_fp8_kv_close_to_full_precision(llama):
-    """Next-token KL of the FP8-KV engine vs the f32-KV engine after a 40-token prompt."""
+    """Next-token KL of the FP8-KV engine against the bf16-KV and f32-KV engines after a 40-token
+    prompt (f32 model; only the page dtype differs)."""
     p = prompts([40], seed=17)[0]
-    logits = {}
-    for name, dtype in (("f32", None), ("fp8", jnp.float8_e4m3fn)):
+    logp = {}
+    for name, dtype in (("f32", None), ("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
         engine = Engine(llama, **SHAPE, kv_dtype=dtype)
         engine.generate([p], SamplingParams(max_tokens=1))
-        logits[name] = engine.last_logits[0]
-    lp = jax.nn.log_softmax(logits["f32"])
-    lq = jax.nn.log_softmax(logits["fp8"])
-    kl = float(jnp.sum(jnp.exp(lp) * (lp - lq)))
-    print(f"\nfp8 vs f32 KV (tiny llama, 40-token prompt): next-token KL = {kl:.3e}")
-    assert 0 < kl < 0.05
+        logp[name] = jax.nn.log_softmax(engine.last_logits[0])
+
+    def kl(a, b):
+        return float(jnp.sum(jnp.exp(logp[a]) * (logp[a] - logp[b])))
+
+    kls = {f"{a}||{b}": kl(a, b) for a, b in (("bf16", "fp8"), ("f32", "fp8"), ("f32", "bf16"))}
+    print("\nnext-token KL, tiny llama, 40-token prompt: "
+          + ", ".join(f"KL({k}) = {v:.3e}" for k, v in kls.items()))
+    assert 0 < kls["bf16||fp8"] < 0.05 and 0 < kls["f32||fp8"] < 0.05
+    assert kls["f32||bf16"] < kls["f32||fp8"]  # e4m3 (3 mantissa bits) is coarser than bf16 (7)
 
 
 def test_engine_errors(llama):
