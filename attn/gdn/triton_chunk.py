@@ -45,11 +45,14 @@ _SUB = 16  # rows of the blocks the (I + A)⁻¹ solve works on; CHUNK == 4 * _S
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-    """Launch configuration: value features per program of the state and output kernels, warps."""
+    """Launch configuration: value features per program of the state and output kernels, warps
+    (the intra-chunk kernel holds whole `[C, H]` and `[C, Hv]` tiles, hence more warps), software
+    pipeline stages. Untuned guesses: no GPU sweep has run yet."""
 
     block_hv_state: int = 32
     block_hv_out: int = 64
     num_warps: int = 4
+    intra_warps: int = 8
     num_stages: int = 2
 
     def __post_init__(self):
@@ -57,8 +60,10 @@ class Config:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 16")
-        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
-            raise ValueError(f"{self.num_warps=} must be a power of two >= 1")
+        for name in ("num_warps", "intra_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two >= 1")
         if self.num_stages < 1:
             raise ValueError(f"{self.num_stages=} must be >= 1")
 
@@ -342,7 +347,7 @@ def gdn_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2no
                    jax.ShapeDtypeStruct((n_tok, nv, h), inter),
                    jax.ShapeDtypeStruct((n_tok, nv, hv), inter)),
         grid=(n_chunks, nv),
-        num_warps=config.num_warps,
+        num_warps=config.intra_warps,
         num_stages=1,
         BT=CHUNK, SUB=_SUB, BLOCK_HV=max(16, triton.next_power_of_2(hv)), **common,
     )

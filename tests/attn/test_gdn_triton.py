@@ -294,8 +294,10 @@ def test_chunked_triton_needs_chunk_64_and_config_validation():
 @pytest.mark.parametrize("varlen", [False, True], ids=["B2-T4K", "varlen"])
 def test_chunked_compiled_on_gpu_at_model_dims(varlen):
     """Nk16, Nv32, H = Hv = 128, bf16 q/k/v, l2-norm, initial states; varlen packs 5 sequences
-    (one empty, one of 1 token). bf16 intermediates (as fla's): relative-norm error <= 1e-2
-    against the float32 XLA reference, per output and final state."""
+    (one empty, one of 1 token). bf16 intermediates (W, U, V_new, chunk states, as fla's): the
+    relative-norm error against the float32 XLA reference must stay <= 2e-2 for the bf16 output
+    and <= 1e-2 for the float32 final state (the interpreter gives 8e-3 / 3e-3 at T1K, H64 with
+    its truncating bf16 casts)."""
     gen = rng()
     cu = None
     if varlen:
@@ -313,4 +315,17 @@ def test_chunked_compiled_on_gpu_at_model_dims(varlen):
         a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
         assert np.isfinite(a).all(), name
         err = np.linalg.norm(a - e) / np.linalg.norm(e)
-        assert err <= 1e-2, f"{name}: relative error {err:.3g}"
+        assert err <= (2e-2 if name == "o" else 1e-2), f"{name}: relative error {err:.3g}"
+
+
+def test_bench_gdn_prefill_smoke_runs_on_cpu(tmp_path):
+    """`python -m experiments.bench_gdn_prefill --smoke` (tiny shapes, interpreter) writes its
+    rows, with our outputs close to the XLA reference's."""
+    from experiments import bench_gdn_prefill
+
+    rows = bench_gdn_prefill.main(["--smoke", "--out", str(tmp_path)])
+    assert {r["kernel"] for r in rows} == {"causal_conv1d_prefill", "gdn_chunked_prefill"}
+    assert (tmp_path / "gdn_prefill_smoke.json").exists()
+    for r in rows:
+        err = r.get("rel_err_y_vs_xla", r.get("rel_err_o_vs_xla"))
+        assert err is not None and err < 2e-2, r
