@@ -201,15 +201,15 @@ def _recurrent64(q, k, v, g, beta, h0, *, scale=None, l2norm=True):
 @pytest.mark.parametrize("init", [True, False], ids=["state", "zero-state"])
 def test_chunked_kernel_matches_reference_and_float64(init):
     """f32, B2, GVA 1 -> 2 value heads, H16 / Hv32, l2-norm: within 1e-5 of the float64
-    recurrence at every length, and within the f32 tolerance of the XLA reference at T = 65
-    (the reference compiles once per shape: one length keeps the test fast)."""
+    recurrence at every length, and (with a state) within the f32 tolerance of the XLA reference
+    at T = 65 (the reference compiles per shape: one length keeps the test fast)."""
     gen = rng()
     for t in CHUNK_LENGTHS:
         xs, h0 = _chunk_problem(gen, b=2, t=t, nk=1, nv=2, h=16, hv=32, init=init)
         o, final = chunk_kernel.gdn_chunked(*xs, initial_state=h0, use_qk_l2norm=True)
         assert o.shape == xs[2].shape and o.dtype == jnp.float32
         assert final.shape == (2, 2, 16, 32) and final.dtype == jnp.float32
-        if t == 65:
+        if t == 65 and init:
             exp_o, exp_final = ref.gdn_chunked(*xs, initial_state=h0, use_qk_l2norm=True)
             assert_close(o, exp_o, err_msg=f"T={t}")
             assert_close(final, exp_final, err_msg=f"T={t}")
@@ -237,15 +237,15 @@ def test_chunked_kernel_varlen_against_per_sequence_float64():
 
 
 def test_chunked_kernel_bf16_raw_keys_and_padded_dims():
-    """bf16 q/k/v (bf16 intermediates, TF32-style dots), no l2-norm (keys scaled to unit size
-    instead) with an explicit scale, H = 24 / Hv = 20 padded and masked, T = 130."""
+    """bf16 q/k/v (bf16 intermediates, TF32 dots on a GPU), no l2-norm (keys scaled to unit size
+    instead) with an explicit scale, H = 24 / Hv = 20 padded and masked, T = 70."""
     gen = rng()
-    (q, k, v, g, beta), h0 = _chunk_problem(gen, b=1, t=130, nk=1, nv=2, h=24, hv=20,
+    (q, k, v, g, beta), h0 = _chunk_problem(gen, b=1, t=70, nk=1, nv=2, h=24, hv=20,
                                             dtype=jnp.bfloat16)
     k = (k.astype(jnp.float32) * 24 ** -0.5).astype(jnp.bfloat16)
-    kw = dict(initial_state=h0, scale=0.3)
-    o, final = chunk_kernel.gdn_chunked(q, k, v, g, beta, **kw)
-    exp_o, exp_final = ref.gdn_chunked(q, k, v, g, beta, **kw)
+    o, final = chunk_kernel.gdn_chunked(q, k, v, g, beta, initial_state=h0, scale=0.3)
+    # The float64 recurrence on the same bf16 values: what the f32 reference approximates.
+    exp_o, exp_final = _recurrent64(q, k, v, g, beta, h0, scale=0.3, l2norm=False)
     assert o.dtype == jnp.bfloat16 and final.dtype == jnp.float32
     assert_close(o, exp_o, dtype=jnp.bfloat16)
     assert_close(final, exp_final, dtype=jnp.bfloat16)
