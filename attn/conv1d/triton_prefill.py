@@ -18,7 +18,7 @@ float32, SiLU in float32, `y` and the final state in x's dtype.
 
 Supports: any C and W >= 2 (W padded to a power of two and masked in the state kernel), optional
 bias and initial state, SiLU or none, any float dtype, varlen via `cu_seqlens` (zero-length
-sequences included). Not supported: gradients, channels-first inputs.
+sequences included), gradients (the XLA reference's VJP). Not supported: channels-first inputs.
 """
 
 import dataclasses
@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from attn._harness import triton_call
+from attn.conv1d import reference
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -146,6 +147,8 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation=None, 
                   config: Config | None = None):
     """Causal conv1d prefill through the kernels; inputs validated by `attn.conv1d.api`.
 
+    Differentiable: the backward is the XLA reference's (the kernels are forward-only).
+
     Args:
       x: `[B, T, C]` (`B == 1` with `cu_seqlens`).
       weight: `[C, W]`; tap `W - 1` multiplies the current token.
@@ -158,6 +161,27 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation=None, 
     Returns:
       `(y [B, T, C] in x.dtype, final_state [Ns, C, W - 1] in x.dtype)`.
     """
+
+    def kernel_fn(x, weight, bias, h0, cu):
+        return _forward(x, weight, bias, h0, cu, activation=activation, config=config)
+
+    def reference_fn(x, weight, bias, h0, cu):
+        return reference.causal_conv1d(x, weight, bias, initial_state=h0, activation=activation,
+                                       cu_seqlens=cu)
+
+    conv = jax.custom_vjp(kernel_fn)
+
+    def fwd(*args):
+        return kernel_fn(*args), args
+
+    def bwd(args, cotangents):
+        return jax.vjp(reference_fn, *args)[1](cotangents)
+
+    conv.defvjp(fwd, bwd)
+    return conv(x, weight, bias, initial_state, cu_seqlens)
+
+
+def _forward(x, weight, bias, initial_state, cu_seqlens, *, activation, config):
     b, t, c = x.shape
     w = weight.shape[1]
     n_tok = b * t

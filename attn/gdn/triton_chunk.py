@@ -24,8 +24,8 @@ at IEEE precision: the interpreter tests match the reference to ~1e-6), else in 
 TF32 dots, as fla keeps them in the input dtype.
 
 Supports: any B, T, Nk | Nv, H and Hv (padded to powers of two >= 16 and masked), initial and
-final states `[Ns, Nv, H, Hv]` float32, varlen with empty sequences. Not supported: chunk sizes
-other than 64, gradients.
+final states `[Ns, Nv, H, Hv]` float32, varlen with empty sequences, gradients (the XLA
+reference's VJP). Not supported: chunk sizes other than 64.
 """
 
 import dataclasses
@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from attn._harness import triton_call
+from attn.gdn import reference
 from attn.gdn.reference import L2NORM_EPS
 
 CHUNK = 64
@@ -308,9 +309,33 @@ def _chunk_tables(b: int, t: int, cu_seqlens):
             first.astype(jnp.int32), count.astype(jnp.int32))
 
 
+def with_reference_gradient(kernel_fn, reference_fn):
+    """`kernel_fn` forward, the VJP of `reference_fn` (same arguments and outputs) backward.
+
+    The kernels are forward-only; this keeps the op differentiable when `implementation="auto"`
+    picks them on a GPU. The backward recomputes the pure-jnp reference (its memory and time).
+    Integer arguments get `float0` cotangents, as `jax.vjp` gives them.
+    """
+
+    @jax.custom_vjp
+    def fn(*args):
+        return kernel_fn(*args)
+
+    def fwd(*args):
+        return kernel_fn(*args), args
+
+    def bwd(args, cotangents):
+        return jax.vjp(reference_fn, *args)[1](cotangents)
+
+    fn.defvjp(fwd, bwd)
+    return fn
+
+
 def gdn_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=False,
                 cu_seqlens=None, config: Config | None = None):
     """Chunked gated delta rule (C = 64) through the kernels; inputs validated by the api.
+
+    Differentiable: the backward is the XLA reference's (`with_reference_gradient`).
 
     Args:
       q, k: `[B, T, Nk, H]`; v `[B, T, Nv, Hv]`; g, beta `[B, T, Nv]`.
@@ -323,6 +348,20 @@ def gdn_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2no
     Returns:
       `(o [B, T, Nv, Hv] in q.dtype, final_state [Ns, Nv, H, Hv] float32)`.
     """
+    opts = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
+
+    def kernel_fn(q, k, v, g, beta, h0, cu):
+        return _forward(q, k, v, g, beta, h0, cu, config=config, **opts)
+
+    def reference_fn(q, k, v, g, beta, h0, cu):
+        return reference.gdn_chunked(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
+                                     chunk_size=CHUNK, **opts)
+
+    return with_reference_gradient(kernel_fn, reference_fn)(q, k, v, g, beta, initial_state,
+                                                            cu_seqlens)
+
+
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_qk_l2norm, config):
     bsz, t, nk, h = q.shape
     nv, hv = v.shape[2:]
     n_tok = bsz * t

@@ -10,6 +10,8 @@ f32 and bf16, packed sequences; outputs start as NaN in the interpreter, so an u
 fails; final states are raw inputs and must match bitwise.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -277,3 +279,25 @@ def test_prefill_compiled_on_gpu_at_model_dims(varlen):
     exp_y, exp_final = jax.jit(lambda *a: ref.causal_conv1d(
         *a, initial_state=h0, activation="silu", cu_seqlens=cu))(x, weight)
     _check_prefill(y, final, exp_y, exp_final)
+
+
+def test_prefill_kernel_gradient_is_the_references():
+    """The kernel is forward-only; `jax.grad` through it gives the reference's VJP (varlen, state,
+    bias)."""
+    gen = rng()
+    cu = jnp.asarray([0, 2, 7], jnp.int32)
+    x, weight, bias, _ = _prefill_problem(gen, b=1, t=7, c=16, dtype=jnp.float32, state=False)
+    h0 = jnp.asarray(gen.standard_normal((2, 16, 3), np.float32))
+    cot = jnp.asarray(gen.standard_normal((1, 7, 16), np.float32))
+
+    def loss(conv, *a):
+        y, final = conv(*a[:3], initial_state=a[3], activation="silu", cu_seqlens=cu)
+        return jnp.sum(y * cot) + jnp.sum(final)
+
+    argnums = (0, 1, 2, 3)
+    grads = jax.jit(jax.grad(functools.partial(loss, prefill_kernel.causal_conv1d),
+                             argnums=argnums))(x, weight, bias, h0)
+    expected = jax.jit(jax.grad(functools.partial(loss, ref.causal_conv1d), argnums=argnums))(
+        x, weight, bias, h0)
+    for a, e in zip(grads, expected, strict=True):
+        assert_close(a, e)
