@@ -14,8 +14,9 @@ attend object the step hands to `CausalLM.forward` (`PagedAttend`):
 
 * softmax attention (Llama, Qwen3, Qwen3-Next / Qwen3.5 gated attention): a `kv.PagePool`
   `[K, num_pages, P, H]`; the layer writes k, v (`kv.write_kv`, quantising for FP8 pools), then the
-  mixed step gathers the row's pages (`kv.gather_kv`) and runs `attn.dense.attention` with
-  `q_offset` = cached length, the decode step runs `attn.paged_decode.paged_decode` on the pages;
+  mixed step runs `attn.dense.paged_prefill_attention` straight on the pages (`q_offset` = cached
+  length, `[B, K]` windows / sinks; Triton on GPU, gather + dense attention as the reference), the
+  decode step runs `attn.paged_decode.paged_decode` on the pages;
 * MLA (DeepSeek-V2 / V3, `attend.mla_attend`): a `kv.LatentPool` `[num_pages, P, L + R]` (one
   latent "head"); `[c_kv ‖ k_pe]` is written by slot mapping (`kv.write_latent`), the mixed step
   runs `attn.mla.mla_absorbed_attention` over the gathered latent (`kv.gather_latent`), the decode
@@ -37,7 +38,8 @@ give back the pages outside sink + window), so 30 layers do not compile 30 alloc
 are data: each request carries per-layer, per-KV-head `window` and `sinks` arrays (`Policy`,
 `[L, K]` in model layer indices; entries of GDN layers are ignored, MLA layers cannot hold a
 window), passed to the step as `[B, L, K]` int32, so requests with different policies share a
-batch and a compiled step (attention is vmapped over rows for per-row windows).
+batch and a compiled step (prefill attention takes `[B, K]` windows; paged decode is vmapped over
+rows).
 Sampling (greedy, temperature, top-k, top-p) runs inside the step on the last real token of each
 row; the key of the token at position `p` is `fold_in(key(seed), p)`, so a preempted request that
 is recomputed samples the very same tokens.
@@ -73,10 +75,12 @@ from jaxtyping import Array, Float, Int
 
 import kv
 from attn.conv1d import causal_conv1d, causal_conv1d_update_pool
-from attn.dense import attention
+from attn.dense import paged_prefill_attention
+from attn.elastic.reference import MODE_CODES
 from attn.gdn import gdn_decode_pool, gdn_prefill_pool
 from attn.mla import absorb_query, expand_output, mla_absorbed_attention, mla_paged_decode
 from attn.paged_decode import paged_decode
+from models.families.pawqwen3 import ElasticAttend, ElasticAttendSpec
 from models.layers.attention import QKV, AttendSpec, Attention
 from models.layers.gdn import GatedDeltaNet, GDNInputs, GDNSpec, split_qkv
 from models.layers.mla import MLAProjection, MLASpec, MLAttention
@@ -192,6 +196,9 @@ class Request:
       cached: tokens of `tokens` in the cache.
       row: the batch slot it occupies, or last occupied (its row of `Engine.last_logits`); None
         before its first admission.
+      decisions: elastic engines only: `[L, K]` int32 router decisions of its prompt (1
+        retrieval, 0 sparse; -1 on layers without a router), set by the step that prefilled the
+        prompt; None before (and again after a preemption, until the recomputation routes it).
     """
 
     prompt: list[int]
@@ -204,6 +211,7 @@ class Request:
     prefill_tokens: int = 0
     cached: int = 0  # tokens of `tokens` in the KV cache
     row: int | None = None  # batch slot it occupies (or last occupied); None before admission
+    decisions: np.ndarray | None = None  # [L, K] router decisions (elastic engines)
 
     @property
     def tokens(self) -> list[int]:
@@ -263,6 +271,10 @@ class PagedAttend:
       paged: static model indices of the paged layers (`p`-th entry: table block `p`).
       decode: True for the `T = 1` step (paged decode on the pages, one-token GDN update).
       implementation: attention backend.
+      elastic: elastic mixed step: rows at offset 0 (a whole prompt in this chunk) run
+        `ElasticAttend` over the chunk (routing from its `k_pre`, block-sparse attention), the
+        others dense paged prefill; attention layers then return `(pool, z [B, K])` as their
+        state, `z` = -1 on rows that were not routed.
     """
 
     offsets: Int[Array, "B"]  # noqa: F821
@@ -274,6 +286,7 @@ class PagedAttend:
     paged: tuple[int, ...] = ()
     decode: bool = False
     implementation: str = "auto"
+    elastic: bool = False
 
     def _table(self, layer: int, num_kv: int) -> Int[Array, "B K M"]:
         p = self.paged.index(layer) if self.paged else layer
@@ -297,16 +310,21 @@ class PagedAttend:
 
             o = jax.vmap(one)(qkv.q[:, 0], table, lengths, window, sinks)[:, None]
         else:
-            k, v = kv.gather_kv(pool, tables, dtype=qkv.q.dtype)
-
-            def one(q, k, v, off, length, w, s):
-                o, _ = attention(q[None], k[None], v[None], causal=True, scale=spec.scale,
-                                 q_offset=off[None], kv_lengths=length[None], window=w, sinks=s,
-                                 implementation=self.implementation)
-                return o[0]
-
-            o = jax.vmap(one)(qkv.q, k, v, self.offsets, lengths, window, sinks)
+            o, _ = paged_prefill_attention(
+                qkv.q, pool.k, pool.v, table, self.offsets, lengths, scale=spec.scale,
+                window=window, sinks=sinks, k_scales=pool.k_scale, v_scales=pool.v_scale,
+                implementation=self.implementation)
+            if self.elastic:
+                return self._elastic(spec, qkv, o, pool)
         return o, pool
+
+    def _elastic(self, spec: ElasticAttendSpec, qkv, dense: Float[Array, "B T N Hv"],
+                 pool: kv.PagePool):
+        """Rows at offset 0: `ElasticAttend` over the chunk (`lengths = num_new`); others: dense."""
+        routed = (self.offsets == 0) & (self.num_new > 0)  # [B]
+        o, z = ElasticAttend(lengths=self.num_new, implementation=self.implementation)(spec, qkv)
+        o = jnp.where(routed[:, None, None, None], o.astype(dense.dtype), dense)
+        return o, (pool, jnp.where(routed[:, None], z, -1).astype(jnp.int32))
 
     def mla_attend(self, spec: MLASpec, proj: MLAProjection, pool: kv.LatentPool):
         """MLA over the paged latent cache (windows are refused by the engine, never seen here).
@@ -403,7 +421,7 @@ def sample(logits: Float[Array, "B V"], keys, temperature, top_k, top_p) -> Int[
 
 
 def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds, temperature,
-          top_k, top_p, *, decode, implementation, counter):
+          top_k, top_p, *, decode, implementation, elastic, counter):
     counter["decode" if decode else "mixed"] += 1  # trace time only: counts compilations
     model = nnx.merge(graphdef, params)
     pools, tables, allocator = states
@@ -413,8 +431,15 @@ def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds,
     allocator, tables, _ = kv.alloc_batch(allocator, tables, kv.pages_needed(tables, lengths))
     positions = offsets[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
     attend = PagedAttend(offsets, num_new, tables.table, window, sinks, tables.page_size,
-                         paged=paged, decode=decode, implementation=implementation)
+                         paged=paged, decode=decode, implementation=implementation,
+                         elastic=elastic and not decode)
     hidden, pools = model.forward(ids, positions, attend=attend, states=pools)
+    decisions = None  # [B, L, K] int32 router decisions (elastic mixed step), -1 = none
+    if attend.elastic:
+        num_kv = pools[paged[0]][0].num_kv_heads
+        none = jnp.full((batch, num_kv), -1, jnp.int32)
+        decisions = jnp.stack([p[1] if type(p) is tuple else none for p in pools], axis=1)
+        pools = [p[0] if type(p) is tuple else p for p in pools]
     # Streaming heads release the pages no later query sees (after every layer's attention).
     index = np.asarray(paged)
     allocator, tables, _ = kv.recycle(allocator, tables, lengths,
@@ -427,7 +452,7 @@ def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds,
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(
         seeds, offsets + num_new)
     tokens = sample(logits, keys, temperature, top_k, top_p)
-    return tokens, logits.astype(jnp.float32), states
+    return tokens, logits.astype(jnp.float32), states, decisions
 
 
 def _free_rows(states: EngineKV, rows) -> EngineKV:
@@ -461,6 +486,11 @@ class Engine:
       policy: default `Policy` of requests without one (default dense).
       implementation: attention backend (`"auto"`, `"xla"`, ...); the GDN and MLA ops use `"xla"`
         if it is `"xla"`, else their own `"auto"` choice.
+      elastic: elastic attention (PawQwen3): each prompt is prefilled in one mixed-step chunk
+        with per-request routing and block-sparse attention; its streaming heads (router mode -1)
+        then decode as `sink_size` + `local_window_size` heads (from `model.cfg`), the others
+        full. Needs every attention layer to be elastic (`ElasticAttendSpec`), no MLA layer, no
+        `policy`, and prompts of at most `chunk` tokens (see the module docstring).
 
     Attributes:
       layer_kinds: per model layer `"attention"`, `"mla"` or `"gdn"`.
@@ -469,13 +499,14 @@ class Engine:
 
     Raises:
       ValueError: an unsupported mixer, paged layers with different KV head counts, no paged
-        layer, an FP8 MLA latent, a default policy the layers cannot honour, or sizes that
-        cannot work.
+        layer, an FP8 MLA latent, a default policy the layers cannot honour, sizes that cannot
+        work, or `elastic=True` for a model without elastic attention layers or with a policy.
     """
 
     def __init__(self, model, *, batch_slots: int = 4, max_len: int = 1024, page_size: int = 16,
                  num_pages: int | None = None, chunk: int = 128, kv_dtype=None,
-                 policy: Policy | None = None, implementation: str = "auto"):
+                 policy: Policy | None = None, implementation: str = "auto",
+                 elastic: bool = False):
         mixers = [layer.mixer for layer in model.layers]
         kinds = []
         for i, m in enumerate(mixers):
@@ -521,6 +552,9 @@ class Engine:
         self._layer_sinks = np.array([c.sinks if c else 0 for c in cfgs], np.int32)[:, None]
         self.policy = policy or Policy.dense(self.num_layers, self.num_kv_heads)
         self._check_policy(self.policy)
+        self.elastic = bool(elastic)
+        if self.elastic:
+            self._init_elastic(model, mixers, kinds, policy)
 
         pools = []
         for m, kind in zip(mixers, kinds):
@@ -552,7 +586,8 @@ class Engine:
         sizes = np.asarray([_state_bytes(p) for p in pools], np.int64)  # [L, 2]
         self._layer_page_bytes, self._layer_slot_bytes = sizes[:, 0], sizes[:, 1]
         self._graphdef, self._params = nnx.split(model)
-        self._step = functools.partial(_jit_step, implementation=implementation)
+        self._step = functools.partial(_jit_step, implementation=implementation,
+                                       elastic=self.elastic)
         self._free = _jit_free
 
         # Host mirror of the page accounting, per slot, paged layer and head.
@@ -576,6 +611,26 @@ class Engine:
                       "mixed_seconds": 0.0, "decode_seconds": 0.0}
         self.last_logits = None  # [B, V] float32 next-token logits of the latest step (device)
 
+    def _init_elastic(self, model, mixers, kinds, policy) -> None:
+        """Check that the model is elastic; per layer, the mode codes of z = 1 and z = 0 heads."""
+        bad = [i for i, (m, k) in enumerate(zip(mixers, kinds))
+               if k != "gdn" and not (k == "attention" and isinstance(m.spec, ElasticAttendSpec))]
+        if bad:
+            raise ValueError(
+                f"elastic=True needs elastic attention layers (PawQwen3, ElasticAttendSpec); "
+                f"layers {bad} of {type(model).__name__} are "
+                f"{sorted({type(mixers[i]).__name__ for i in bad})}")
+        if policy is not None:
+            raise ValueError(f"elastic=True derives each request's policy from its router "
+                             f"decisions; got policy {policy.name!r}")
+        retrieval, toggle = np.zeros(self.num_layers, np.int32), np.zeros(self.num_layers, np.int32)
+        for i, m in enumerate(mixers):
+            if kinds[i] == "attention":
+                retrieval[i] = MODE_CODES[m.spec.retrieval_mode]
+                toggle[i] = MODE_CODES[m.spec.toggle_type]
+        self._mode_codes = (retrieval[:, None], toggle[:, None])  # [L, 1] each
+        self._stream = (int(model.cfg.local_window_size), int(model.cfg.sink_size))
+
     # -- requests ------------------------------------------------------------------------------
 
     def add(self, request: Request) -> Request:
@@ -588,6 +643,14 @@ class Engine:
                              f"({request.params.max_tokens}) = {total} exceeds "
                              f"max_len={self.max_len}")
         self._check_policy(request.policy or self.policy)
+        if self.elastic:
+            if len(request.prompt) > self.chunk:
+                raise ValueError(
+                    f"elastic engine: prompt of {len(request.prompt)} tokens exceeds "
+                    f"chunk={self.chunk}; an elastic prompt is routed and prefilled in one chunk")
+            if request.policy is not None:
+                raise ValueError(f"elastic engine: request policy {request.policy.name!r} is not "
+                                 f"allowed (the router decides each request's policy)")
         if request.id is None:
             request.id = next(self._ids)
         self.waiting.append(request)
@@ -606,8 +669,18 @@ class Engine:
                     f"window (use window <= 0 on MLA layers)")
 
     def _effective(self, request: Request) -> tuple[np.ndarray, np.ndarray]:
-        """Effective `[L, K]` window and sinks (layer windows where the policy is full; GDN 0)."""
+        """Effective `[L, K]` window and sinks (layer windows where the policy is full; GDN 0).
+
+        Elastic engines: heads whose decision maps to streaming (-1) get `local_window_size` and
+        `sink_size`, the rest are full; every head is full before the prompt is routed.
+        """
         p = request.policy or self.policy
+        if self.elastic and request.decisions is not None:
+            retrieval, toggle = self._mode_codes
+            stream = np.where(request.decisions == 1, retrieval, toggle) == MODE_CODES["streaming"]
+            stream &= request.decisions >= 0
+            p = Policy(np.where(stream, self._stream[0], 0), np.where(stream, self._stream[1], 0),
+                       "elastic")
         full = p.window <= 0
         gdn = np.array([k == "gdn" for k in self.layer_kinds])[:, None]
         window = np.where(full, self._layer_window, p.window)
@@ -664,6 +737,7 @@ class Engine:
         req = self.slots[row]
         req.preemptions += 1
         req.cached = 0
+        req.decisions = None  # re-routed when its prompt is prefilled again
         self.stats["preemptions"] += 1
         self.slots[row] = None
         self._free_slots_on_device([row])
@@ -682,8 +756,7 @@ class Engine:
             active = [r for r in range(self.batch_slots) if self.slots[r] is not None]
             if not active:
                 return {}
-            work = {r: min(self.chunk, len(self.slots[r].tokens) - self.slots[r].cached)
-                    for r in active}
+            work = {r: self._work(self.slots[r]) for r in active}
             need = sum(self._demand(r, self.slots[r].cached + work[r]) for r in active)
             if np.all(need <= self._free_count):
                 return work
@@ -692,6 +765,13 @@ class Engine:
                     f"KV pools too small: one request needs {need.max()} more pages in a head "
                     f"with {self._free_count.min()} free (num_pages={self.num_pages})")
             self._preempt(max(active, key=lambda r: self._order[r]))
+
+    def _work(self, req: Request) -> int:
+        """Tokens a request feeds in this step: an elastic request starts with exactly its prompt
+        (one routed chunk; a recomputed one then feeds its generated tokens as dense chunks)."""
+        if self.elastic and req.cached == 0:
+            return len(req.prompt)
+        return min(self.chunk, len(req.tokens) - req.cached)
 
     def step(self) -> list[Request]:
         """One engine step: admit, (maybe preempt), run the mixed or decode step, retire.
@@ -702,7 +782,9 @@ class Engine:
         work = self._plan()
         if not work:
             return []
-        decode = all(n == 1 for n in work.values())
+        # An elastic prompt (even of one token) is routed in the mixed step.
+        decode = all(n == 1 and (self.slots[r].cached > 0 or not self.elastic)
+                     for r, n in work.items())
         t = 1 if decode else self.chunk
         b = self.batch_slots
         ids = np.zeros((b, t), np.int32)
@@ -723,12 +805,19 @@ class Engine:
         window = np.where(num_new[:, None, None] > 0, self._win, 0)
         sinks = np.where(num_new[:, None, None] > 0, self._sinks, 0)
         start = time.perf_counter()
-        tokens, self.last_logits, self.states = self._step(
+        tokens, self.last_logits, self.states, decisions = self._step(
             self._graphdef, self._params, self.states, ids, offsets, num_new, window, sinks,
             seeds, temp, top_k, top_p, decode=decode)
         for r, n in work.items():
             self._commit(r, int(offsets[r]) + n)
-        tokens = np.asarray(tokens)  # the step's only device -> host read: B token ids
+        # The step's only device -> host read: B token ids (and the router decisions).
+        tokens, decisions = jax.device_get((tokens, decisions))
+        if decisions is not None:
+            for r in work:
+                if offsets[r] == 0:  # routed in this step: its streaming heads apply from now on
+                    req = self.slots[r]
+                    req.decisions = np.asarray(decisions[r], np.int32)
+                    self._win[r], self._sinks[r] = self._effective(req)
         kind = "decode" if decode else "mixed"
         self.stats[f"{kind}_steps"] += 1
         self.stats[f"{kind}_seconds"] += time.perf_counter() - start
@@ -833,11 +922,11 @@ _jit_free = jax.jit(_free_rows, donate_argnums=0)
 TRACES = collections.Counter()  # ("mixed" | "decode") -> times the step was traced (compiled)
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("decode", "implementation"),
-                   donate_argnums=2)
-def _jit_step(graphdef, params, states, *args, decode, implementation):
+@functools.partial(jax.jit, static_argnums=0,
+                   static_argnames=("decode", "implementation", "elastic"), donate_argnums=2)
+def _jit_step(graphdef, params, states, *args, decode, implementation, elastic=False):
     return _step(graphdef, params, states, *args, decode=decode, implementation=implementation,
-                 counter=TRACES)
+                 elastic=elastic, counter=TRACES)
 
 
 __all__ = [
