@@ -44,6 +44,28 @@ Sampling (greedy, temperature, top-k, top-p) runs inside the step on the last re
 row; the key of the token at position `p` is `fold_in(key(seed), p)`, so a preempted request that
 is recomputed samples the very same tokens.
 
+Elastic attention (PawQwen3, `Engine(..., elastic=True)`; FastDeploy-style): a request's whole
+prompt is prefilled in one mixed-step chunk (offset 0; `add` refuses prompts longer than `chunk`).
+In that step each attention layer routes the row from the chunk's pre-RoPE keys (`ctx_q_pool`
+over its `num_new` valid tokens, then the layer's router: decisions `z [B, K]`), turns them into
+per-head modes (`derive_head_mask_type`) and runs the elastic block-sparse attention (XAttention
+estimate where a mode is 1) over the chunk itself — exactly `ElasticAttend` with `lengths =
+num_new`; k / v still go into the pages. Rows not at offset 0 in that step take the dense paged
+path (both are computed, selected per row). The decisions `[B, L, K]` come back to the host with
+the step's tokens (one `device_get`) and are stored as `Request.decisions`; from the next step on,
+heads whose mode is streaming (-1) become sink + window heads (`sink_size`, `local_window_size` of
+the config, in tokens) of the request's effective policy, so the host mirror and `kv.recycle`
+give their pages back; full and XAttention heads decode full (dense paged decode; no sparse
+decode, as in FastDeploy). Note the geometry differs: prefill streaming heads see whole blocks
+(`sink_blocks`, `local_blocks` of `block_size`), decode sees exactly `sink_size` + the last
+`local_window_size` tokens. A preempted elastic request is recomputed in two parts: its original
+prompt is re-prefilled as one routed chunk (the same tokens at offset 0, so the same decisions
+and the same block-sparse rows as its first run), then its generated tokens are fed as ordinary
+dense chunks under the re-derived per-head windows — the same attention its decode steps had
+(chunked prefill instead of one-token decode: equal up to float rounding), so its continuation
+is the one it would have had without preemption. `Request.decisions` is cleared at preemption
+and set again by the recomputation.
+
 The host scheduler holds every count: which request sits in which slot, how many of its tokens
 are cached, and a NumPy mirror of every paged layer's page accounting (extent, recycle cursor,
 free pages per head), so it knows before a step whether the pools can hold it — no device value
@@ -54,8 +76,12 @@ prompt, recomputed when pages free up. GDN state needs no scheduling: every row 
 
 Not done here: an FP8 MLA latent cache and windows / sinks on MLA layers (the MLA ops have
 neither; both are refused with a ValueError), paged layers with different KV head counts in one
-model, models without any paged layer, XAttention / elastic modes, prefix sharing (GDN state
-would need snapshots at page borders), speculative decoding, multi-device sharding of the step.
+model, models without any paged layer, prefix sharing (GDN state would need snapshots at page
+borders), speculative decoding, multi-device sharding of the step. Elastic mode: prompts longer
+than one chunk (routing would need the pooled keys of the whole prompt before its first chunk
+attends: a two-pass prefill), sparse decode for XAttention heads (they decode full), elastic MLA
+layers, request-supplied policies with `elastic=True` (refused), and skipping the unused branch of
+the per-row elastic / dense selection (both run in every elastic mixed step).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ dense attention with the request's per-head windows on the generated positions.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,7 +31,10 @@ FIELDS = dict(enable_ada_sparsity=True, use_softmax=True, pooling_mode="ctx_q",
               retrieval_mode="xattn", toggle_type="streaming", block_size=16,
               longctx_testing_small_blocks=True, xattn_stride=8, xattn_threshold=0.6,
               sink_size=SINK, local_window_size=LOCAL)
-SHAPE = dict(batch_slots=2, max_len=96, page_size=8, chunk=64, implementation="xla")
+# 13 allocatable pages per head: two growing requests do not fit (preemption); one shape for
+# every test, so one compiled step per kind and mode.
+SHAPE = dict(batch_slots=2, max_len=96, page_size=8, chunk=64, num_pages=14,
+             implementation="xla")
 WIDTH = 96  # reference forwards run at one padded width (one compile)
 STREAM = -1
 
@@ -103,6 +107,12 @@ def reference_dense(model, prompt, n):
     return ids[len(prompt):]
 
 
+def poison(engine):
+    """NaN into every page of every pool (the null page included)."""
+    engine.states = engine.states._replace(pools=[
+        jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), p) for p in engine.states.pools])
+
+
 def run_checked(engine):
     """Step to the end, checking after every step that the host page mirror equals the device."""
     while not engine.idle:
@@ -122,9 +132,11 @@ def test_dense_backbone_greedy_equals_full_forward(model):
 
 def test_elastic_engine_matches_elastic_forward(model):
     """Decisions = the router's, first token = argmax of the elastic forward (logits close),
-    later tokens = the prompt-elastic / windowed-dense reference; streaming heads give pages
-    back; prompts of different lengths share one compiled step per kind."""
+    later tokens = the prompt-elastic / windowed-dense reference, all from NaN-poisoned pages;
+    streaming heads give pages back; prompts of different lengths share one compiled step per
+    kind."""
     engine = Engine(model, elastic=True, **SHAPE)
+    poison(engine)
     ps = prompts([63, 41, 58, 30])
     lengths = jnp.asarray([len(p) for p in ps], jnp.int32)
     full_logits, z = model(padded(ps), lengths=lengths, return_decisions=True,
@@ -167,11 +179,13 @@ def test_elastic_engine_matches_elastic_forward(model):
 
 def test_elastic_preemption_recomputes_without_leaks(model):
     """Pools too small for two growing requests: the later one is preempted after it generated
-    tokens, re-routed (same decisions) and recomputed; nothing leaks, and (prompt re-prefilled
+    tokens, re-routed (same decisions) and recomputed; nothing leaks (pages poisoned with NaN
+    first; host mirror = device after every step; all free at the end), and (prompt re-prefilled
     elastically, generated tokens as a dense windowed chunk) its tokens stay the reference's."""
     ps = prompts([40, 44], seed=11)
-    engine = Engine(model, elastic=True, num_pages=14, **SHAPE)
-    reqs = [engine.add(Request(p, SamplingParams(max_tokens=40))) for p in ps]
+    engine = Engine(model, elastic=True, **SHAPE)
+    poison(engine)
+    reqs = [engine.add(Request(p, SamplingParams(max_tokens=24))) for p in ps]
     run_checked(engine)
     assert engine.stats["preemptions"] >= 1
     late = max(reqs, key=lambda r: r.preemptions)
@@ -180,7 +194,7 @@ def test_elastic_preemption_recomputes_without_leaks(model):
                  implementation="xla")
     for b, req in enumerate(reqs):
         np.testing.assert_array_equal(req.decisions, np.asarray(z)[:, b])
-        assert req.output == reference_elastic(model, ps[b], 40), b
+        assert req.output == reference_elastic(model, ps[b], 24), b
 
 
 def test_elastic_errors(model):
