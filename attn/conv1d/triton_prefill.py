@@ -13,8 +13,10 @@ Two kernels:
   `concat(state, x)` per sequence (part of the old state when a sequence is shorter than `W - 1`).
 
 Numerics follow `attn.conv1d.reference.causal_conv1d`: the initial state is rounded to x's dtype
-first (XLA, before the call), products and the sum over taps (tap 0 first, then the bias) are
-float32, SiLU in float32, `y` and the final state in x's dtype.
+first (XLA, before the call), products and the sum over taps are float32 (taps reading x first,
+in tap order, then those reading the state, then the bias: the first W - 1 tokens of a sequence
+may differ from the reference in the last float32 bit), SiLU in float32, `y` and the final state
+in x's dtype (the final state is raw inputs: bitwise equal).
 
 Supports: any C and W >= 2 (W padded to a power of two and masked in the state kernel), optional
 bias and initial state, SiLU or none, any float dtype, varlen via `cu_seqlens` (zero-length
@@ -35,9 +37,13 @@ from attn.conv1d import reference
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-    """Launch configuration: token rows and channels per program, warps per program."""
+    """Launch configuration: token rows and channels per program, warps per program.
 
-    block_t: int = 64
+    Untimed: no GPU sweep has run. The default is the largest tile ptxas compiles for sm_90a
+    (C = 8192, W4, bf16, state) without spilling: 140 registers; 64 x 128 tiles spill.
+    """
+
+    block_t: int = 32
     block_c: int = 128
     num_warps: int = 4
 
@@ -86,21 +92,26 @@ def _conv_prefill_kernel(
     acc = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
     for j in tl.static_range(W):
         back = W - 1 - j  # tap j reads the input `back` tokens before the current one
-        from_x = pos >= back  # [BLOCK_T]
-        xj = tl.load(  # [BLOCK_T, BLOCK_C]
+        xj = tl.load(  # [BLOCK_T, BLOCK_C]; taps before the sequence's start read 0 here
             x_ptr + (rows - back * C)[:, None] + offs_c[None, :],
-            mask=(mask_t & from_x)[:, None] & mask_c[None, :], other=0.0,
+            mask=(mask_t & (pos >= back))[:, None] & mask_c[None, :], other=0.0,
         )
-        if HAS_STATE:
-            # State column pos + j < W - 1: the input `back - pos` tokens before the sequence.
-            sj = tl.load(  # [BLOCK_T, BLOCK_C]
-                state_ptr + (seq.to(tl.int64) * (C * (W - 1)) + pos + j)[:, None]
-                + offs_c[None, :] * (W - 1),
-                mask=(mask_t & (pos < back))[:, None] & mask_c[None, :], other=0.0,
-            )
-            xj = tl.where(from_x[:, None], xj, sj)
         wj = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)  # [BLOCK_C]
         acc += xj.to(tl.float32) * wj[None, :]
+    if HAS_STATE:
+        # Only tiles holding one of the first W - 1 tokens of a sequence read states; the others
+        # skip these loads (and their registers) at run time.
+        if tl.min(tl.where(mask_t, pos, W), axis=0) < W - 1:
+            for j in tl.static_range(W - 1):
+                back = W - 1 - j
+                # State column pos + j < W - 1: the input `back - pos` tokens before the start.
+                sj = tl.load(  # [BLOCK_T, BLOCK_C]
+                    state_ptr + (seq.to(tl.int64) * (C * (W - 1)) + pos + j)[:, None]
+                    + offs_c[None, :] * (W - 1),
+                    mask=(mask_t & (pos < back))[:, None] & mask_c[None, :], other=0.0,
+                )
+                wj = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
+                acc += sj.to(tl.float32) * wj[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
     if SILU:

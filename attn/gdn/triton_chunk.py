@@ -19,9 +19,12 @@ head, with `G` the chunk-local cumulative sum of g and `L_ij = exp(G_i − G_j)`
 
 q and k are l2-normalised (optional) and q scaled inside the kernels that read them, so nothing
 is precomputed in XLA. Value head h reads key head `h // (Nv // Nk)`. Arithmetic is float32.
-Intermediates (W, U, V_new and the per-chunk states) are float32 when q, k and v are float32 (dots
-at IEEE precision: the interpreter tests match the reference to ~1e-6), else in v's dtype with
-TF32 dots, as fla keeps them in the input dtype.
+With float32 q, k and v everything is float32 with IEEE dots (the interpreter tests match the
+float64 recurrence to ~1e-6). Otherwise, as fla: intermediates (W, U, V_new, per-chunk states) in
+v's dtype; `K Kᵀ`, `T K`, `T V`, `W S` and `Kᵀ V_new` with bf16 operands and float32
+accumulation; the `(I + A)⁻¹` solve and the output kernel's products in TF32 (bf16 there doubled
+the output error in the interpreter and made ptxas spill); the state carried from chunk to chunk
+stays float32 in registers.
 
 Supports: any B, T, Nk | Nv, H and Hv (padded to powers of two >= 16 and masked), initial and
 final states `[Ns, Nv, H, Hv]` float32, varlen with empty sequences, gradients (the XLA
@@ -47,12 +50,16 @@ _SUB = 16  # rows of the blocks the (I + A)⁻¹ solve works on; CHUNK == 4 * _S
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """Launch configuration: value features per program of the state and output kernels, warps
-    (the intra-chunk kernel holds whole `[C, H]` and `[C, Hv]` tiles, hence more warps), software
-    pipeline stages. Untuned guesses: no GPU sweep has run yet."""
+    of those two and of the intra-chunk kernel, software pipeline stages.
+
+    Untimed: no GPU sweep has run. Chosen from ptxas's register report for sm_90a at H = Hv =
+    128, bf16: with 4 warps all three kernels spill (state kernel 1.5 KB); with 8 warps the state
+    kernel spills 16 B, the output kernel nothing, the intra-chunk kernel 216 B.
+    """
 
     block_hv_state: int = 32
     block_hv_out: int = 64
-    num_warps: int = 4
+    num_warps: int = 8
     intra_warps: int = 8
     num_stages: int = 2
 
@@ -71,9 +78,19 @@ class Config:
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
+    """float32 product: IEEE for float32 inputs, TF32 tensor cores otherwise."""
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b, input_precision="tf32")
+
+
+@triton.jit
+def _dot_lp(a, b, IEEE: tl.constexpr):
+    """Product of input-sized operands: IEEE float32 for float32 inputs, else both rounded to
+    bf16 (tensor cores at full rate, float32 accumulation), as fla does."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
 
 
 @triton.jit
@@ -130,8 +147,6 @@ def _intra_kernel(
     tok = (start + r).to(tl.int64)
 
     k = _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)  # [BT, BLOCK_H]
-    v = tl.load(v_ptr + (tok * NV + head)[:, None] * HV + offs_v[None, :],  # [BT, BLOCK_HV]
-                mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + tok * NV + head, mask=valid, other=0.0).to(tl.float32)  # [BT]
     gc = tl.cumsum(tl.load(g_ptr + tok * NV + head, mask=valid, other=0.0).to(tl.float32),
                    axis=0)  # G, chunk-local; padding rows add g = 0
@@ -140,7 +155,7 @@ def _intra_kernel(
     # A = StrictLower((β K Kᵀ) ⊙ L), [BT, BT]; the mask comes before the exp (no overflow).
     lower = r[:, None] > r[None, :]
     decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
-    a = tl.where(lower, _dot(k * beta[:, None], tl.trans(k), IEEE) * decay, 0.0)
+    a = tl.where(lower, _dot_lp(k * beta[:, None], tl.trans(k), IEEE) * decay, 0.0)
     # (I + A)⁻¹: forward substitution inside the SUB × SUB diagonal blocks, all blocks at once
     # (row i of every block per step: d[r] = e_r − Σ_{s<r} a[r, s] d[s]) gives the block-diagonal
     # inverse D. With N = D A_off (strictly block-lower, N^4 = 0 for 4 blocks),
@@ -155,9 +170,13 @@ def _intra_kernel(
     nil = _dot(d, tl.where(same, 0.0, a), IEEE)
     t_inv = _dot(_dot(eye - nil, eye + _dot(nil, nil, IEEE), IEEE), d, IEEE)  # [BT, BT]
 
-    w = _dot(t_inv, k * (beta * tl.exp(gc))[:, None], IEEE)  # W = T (β K ⊙ exp(G))
-    u = _dot(t_inv, v * beta[:, None], IEEE)  # U = T (β V)
+    # k and v are (re)loaded here, not kept through the solve: fewer live registers (L2 hits).
+    k = _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
+    w = _dot_lp(t_inv, k * (beta * tl.exp(gc))[:, None], IEEE)  # W = T (β K ⊙ exp(G))
     _store_rows(w_ptr, tok, valid, head, offs_h, mask_h, w, NV, H)
+    v = tl.load(v_ptr + (tok * NV + head)[:, None] * HV + offs_v[None, :],  # [BT, BLOCK_HV]
+                mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+    u = _dot_lp(t_inv, v * beta[:, None], IEEE)  # U = T (β V)
     _store_rows(u_ptr, tok, valid, head, offs_v, mask_v, u, NV, HV)
 
 
@@ -214,10 +233,10 @@ def _state_kernel(
         valid = r < n
         tok = (start + r).to(tl.int64)
         w = tl.load(w_ptr + (tok * NV + head)[:, None] * H + offs_h[None, :],  # [BT, BLOCK_H]
-                    mask=valid[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
+                    mask=valid[:, None] & mask_h[None, :], other=0.0)
         u = tl.load(u_ptr + (tok * NV + head)[:, None] * HV + offs_v[None, :],  # [BT, BLOCK_HV]
                     mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-        v_new = u - _dot(w, s, IEEE)  # [BT, BLOCK_HV]
+        v_new = u - _dot_lp(w, s, IEEE)  # [BT, BLOCK_HV]
         _store_rows(vnew_ptr, tok, valid, head, offs_v, mask_v, v_new, NV, HV)
         if not IEEE:
             v_new = v_new.to(vnew_ptr.dtype.element_ty).to(tl.float32)  # what the output reads
@@ -225,7 +244,7 @@ def _state_kernel(
         g_last = tl.load(gcum_ptr + (start + n - 1).to(tl.int64) * NV + head)
         k = _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)  # [BT, BLOCK_H]
         k = k * tl.exp(g_last - gc)[:, None]
-        s = s * tl.exp(g_last) + _dot(tl.trans(k), v_new, IEEE)
+        s = s * tl.exp(g_last) + _dot_lp(tl.trans(k), v_new, IEEE)
     tl.store(final_ptr + state_row + tile, s, mask=mask)
 
 

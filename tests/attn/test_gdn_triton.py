@@ -315,10 +315,10 @@ def test_chunked_triton_needs_chunk_64_and_config_validation():
 @pytest.mark.parametrize("varlen", [False, True], ids=["B2-T4K", "varlen"])
 def test_chunked_compiled_on_gpu_at_model_dims(varlen):
     """Nk16, Nv32, H = Hv = 128, bf16 q/k/v, l2-norm, initial states; varlen packs 5 sequences
-    (one empty, one of 1 token). bf16 intermediates (W, U, V_new, chunk states, as fla's): the
-    relative-norm error against the float32 XLA reference must stay <= 2e-2 for the bf16 output
-    and <= 1e-2 for the float32 final state (the interpreter gives 8e-3 / 3e-3 at T1K, H64 with
-    its truncating bf16 casts)."""
+    (one empty, one of 1 token). bf16 intermediates and bf16 dot operands (as fla's): the
+    relative-norm error against the float32 XLA reference must stay <= 2e-2 for the output and
+    the final state (the interpreter, whose f32 -> bf16 casts truncate, gives 1.05e-2 / 8.3e-3 at
+    T256, H = Hv = 64); a wrong chunk, head or boundary gives O(1)."""
     gen = rng()
     cu = None
     if varlen:
@@ -336,7 +336,7 @@ def test_chunked_compiled_on_gpu_at_model_dims(varlen):
         a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
         assert np.isfinite(a).all(), name
         err = np.linalg.norm(a - e) / np.linalg.norm(e)
-        assert err <= (2e-2 if name == "o" else 1e-2), f"{name}: relative error {err:.3g}"
+        assert err <= 2e-2, f"{name}: relative error {err:.3g}"
 
 
 def test_bench_gdn_prefill_smoke_runs_on_cpu(tmp_path):
