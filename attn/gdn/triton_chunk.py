@@ -19,7 +19,8 @@ head, with `G` the chunk-local cumulative sum of g and `L_ij = exp(G_i − G_j)`
 
 q and k are l2-normalised (optional) and q scaled inside the kernels that read them, so nothing
 is precomputed in XLA. Value head h reads key head `h // (Nv // Nk)`. Arithmetic is float32.
-With float32 q, k and v everything is float32 with IEEE dots (the interpreter tests match the
+With float32 q, k and v everything is float32, the dots in 3-pass TF32 (`tf32x3`, about float32
+accuracy on tensor cores; IEEE dots spilled tens of KB in ptxas; the interpreter tests match the
 float64 recurrence to ~1e-6). Otherwise, as fla: intermediates (W, U, V_new, per-chunk states) in
 v's dtype; `K Kᵀ`, `T K`, `T V`, `W S` and `Kᵀ V_new` with bf16 operands and float32
 accumulation; the `(I + A)⁻¹` solve and the output kernel's products in TF32 (bf16 there doubled
@@ -77,19 +78,19 @@ class Config:
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """float32 product: IEEE for float32 inputs, TF32 tensor cores otherwise."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+def _dot(a, b, F32: tl.constexpr):
+    """float32 product: 3-pass TF32 for float32 inputs (`F32`), TF32 otherwise."""
+    if F32:
+        return tl.dot(a, b, input_precision="tf32x3")
     return tl.dot(a, b, input_precision="tf32")
 
 
 @triton.jit
-def _dot_lp(a, b, IEEE: tl.constexpr):
-    """Product of input-sized operands: IEEE float32 for float32 inputs, else both rounded to
+def _dot_lp(a, b, F32: tl.constexpr):
+    """Product of input-sized operands: 3-pass TF32 for float32 inputs (`F32`), else both rounded to
     bf16 (tensor cores at full rate, float32 accumulation), as fla does."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+    if F32:
+        return tl.dot(a, b, input_precision="tf32x3")
     return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
 
 
@@ -123,7 +124,7 @@ def _intra_kernel(
     u_ptr,  # [N_TOK, NV, HV], out
     EPS: tl.constexpr,
     L2NORM: tl.constexpr,
-    IEEE: tl.constexpr,
+    F32: tl.constexpr,
     NK: tl.constexpr,
     NV: tl.constexpr,
     H: tl.constexpr,
@@ -155,7 +156,7 @@ def _intra_kernel(
     # A = StrictLower((β K Kᵀ) ⊙ L), [BT, BT]; the mask comes before the exp (no overflow).
     lower = r[:, None] > r[None, :]
     decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
-    a = tl.where(lower, _dot_lp(k * beta[:, None], tl.trans(k), IEEE) * decay, 0.0)
+    a = tl.where(lower, _dot_lp(k * beta[:, None], tl.trans(k), F32) * decay, 0.0)
     # (I + A)⁻¹: forward substitution inside the SUB × SUB diagonal blocks, all blocks at once
     # (row i of every block per step: d[r] = e_r − Σ_{s<r} a[r, s] d[s]) gives the block-diagonal
     # inverse D. With N = D A_off (strictly block-lower, N^4 = 0 for 4 blocks),
@@ -166,17 +167,17 @@ def _intra_kernel(
     d = eye
     for i in range(1, SUB):
         sel = (r % SUB == i)[:, None]
-        d = tl.where(sel, d - _dot(tl.where(sel, a_diag, 0.0), d, IEEE), d)
-    nil = _dot(d, tl.where(same, 0.0, a), IEEE)
-    t_inv = _dot(_dot(eye - nil, eye + _dot(nil, nil, IEEE), IEEE), d, IEEE)  # [BT, BT]
+        d = tl.where(sel, d - _dot(tl.where(sel, a_diag, 0.0), d, F32), d)
+    nil = _dot(d, tl.where(same, 0.0, a), F32)
+    t_inv = _dot(_dot(eye - nil, eye + _dot(nil, nil, F32), F32), d, F32)  # [BT, BT]
 
     # k and v are (re)loaded here, not kept through the solve: fewer live registers (L2 hits).
     k = _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
-    w = _dot_lp(t_inv, k * (beta * tl.exp(gc))[:, None], IEEE)  # W = T (β K ⊙ exp(G))
+    w = _dot_lp(t_inv, k * (beta * tl.exp(gc))[:, None], F32)  # W = T (β K ⊙ exp(G))
     _store_rows(w_ptr, tok, valid, head, offs_h, mask_h, w, NV, H)
     v = tl.load(v_ptr + (tok * NV + head)[:, None] * HV + offs_v[None, :],  # [BT, BLOCK_HV]
                 mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-    u = _dot_lp(t_inv, v * beta[:, None], IEEE)  # U = T (β V)
+    u = _dot_lp(t_inv, v * beta[:, None], F32)  # U = T (β V)
     _store_rows(u_ptr, tok, valid, head, offs_v, mask_v, u, NV, HV)
 
 
@@ -196,7 +197,7 @@ def _state_kernel(
     final_ptr,  # [NS, NV, H, HV] float32, out
     EPS: tl.constexpr,
     L2NORM: tl.constexpr,
-    IEEE: tl.constexpr,
+    F32: tl.constexpr,
     HAS_INIT: tl.constexpr,
     NK: tl.constexpr,
     NV: tl.constexpr,
@@ -236,15 +237,15 @@ def _state_kernel(
                     mask=valid[:, None] & mask_h[None, :], other=0.0)
         u = tl.load(u_ptr + (tok * NV + head)[:, None] * HV + offs_v[None, :],  # [BT, BLOCK_HV]
                     mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-        v_new = u - _dot_lp(w, s, IEEE)  # [BT, BLOCK_HV]
+        v_new = u - _dot_lp(w, s, F32)  # [BT, BLOCK_HV]
         _store_rows(vnew_ptr, tok, valid, head, offs_v, mask_v, v_new, NV, HV)
-        if not IEEE:
+        if not F32:
             v_new = v_new.to(vnew_ptr.dtype.element_ty).to(tl.float32)  # what the output reads
         gc = tl.load(gcum_ptr + tok * NV + head, mask=valid, other=0.0)  # [BT]
         g_last = tl.load(gcum_ptr + (start + n - 1).to(tl.int64) * NV + head)
         k = _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)  # [BT, BLOCK_H]
         k = k * tl.exp(g_last - gc)[:, None]
-        s = s * tl.exp(g_last) + _dot_lp(tl.trans(k), v_new, IEEE)
+        s = s * tl.exp(g_last) + _dot_lp(tl.trans(k), v_new, F32)
     tl.store(final_ptr + state_row + tile, s, mask=mask)
 
 
@@ -261,7 +262,7 @@ def _output_kernel(
     SCALE: tl.constexpr,
     EPS: tl.constexpr,
     L2NORM: tl.constexpr,
-    IEEE: tl.constexpr,
+    F32: tl.constexpr,
     NK: tl.constexpr,
     NV: tl.constexpr,
     H: tl.constexpr,
@@ -293,8 +294,8 @@ def _output_kernel(
                     mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
     causal = r[:, None] >= r[None, :]
     decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT]
-    scores = tl.where(causal, _dot(q, tl.trans(k), IEEE) * decay, 0.0)
-    o = _dot(q * tl.exp(gc)[:, None], s, IEEE) + _dot(scores, v_new, IEEE)  # [BT, BLOCK_HV]
+    scores = tl.where(causal, _dot(q, tl.trans(k), F32) * decay, 0.0)
+    o = _dot(q * tl.exp(gc)[:, None], s, F32) + _dot(scores, v_new, F32)  # [BT, BLOCK_HV]
     _store_rows(o_ptr, tok, valid, head, offs_v, mask_v, o, NV, HV)
 
 
@@ -387,15 +388,15 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_qk_l2nor
     n_seq = bsz if cu_seqlens is None else cu_seqlens.shape[0] - 1
     config = Config() if config is None else config
     scale = h**-0.5 if scale is None else scale
-    ieee = all(x.dtype == jnp.float32 for x in (q, k, v))
-    inter = jnp.float32 if ieee else v.dtype
+    f32 = all(x.dtype == jnp.float32 for x in (q, k, v))
+    inter = jnp.float32 if f32 else v.dtype
     cstart, clen, sfirst, scount = _chunk_tables(bsz, t, cu_seqlens)
     n_chunks = cstart.shape[0]
     q2, k2 = q.reshape(n_tok, nk, h), k.reshape(n_tok, nk, h)
     v2 = v.reshape(n_tok, nv, hv)
     g2, beta2 = g.reshape(n_tok, nv), beta.reshape(n_tok, nv)
     block_h = max(16, triton.next_power_of_2(h))
-    common = dict(EPS=L2NORM_EPS, L2NORM=bool(use_qk_l2norm), IEEE=ieee, NK=nk, NV=nv, H=h, HV=hv,
+    common = dict(EPS=L2NORM_EPS, L2NORM=bool(use_qk_l2norm), F32=f32, NK=nk, NV=nv, H=h, HV=hv,
                   BLOCK_H=block_h)
 
     gcum, w, u = triton_call(
