@@ -263,8 +263,8 @@ for varlen in (False, True):
 report(conv._conv_final_state_kernel, dict(x_ptr=bf, cu_ptr=i32, state_ptr=bf, final_ptr=bf),
        dict(C=8192, W=4, HAS_STATE=True, BLOCK_C=cc.block_c, BLOCK_W=4), cc.num_warps)
 gc = gdn.Config()
-for dt, f32 in ((bf, False), (f32, True)):
-    common = dict(EPS=1e-6, L2NORM=True, F32=f32, NK=16, NV=32, H=128, HV=128, BLOCK_H=128)
+for dt, exact in ((bf, False), (f32, True)):
+    common = dict(EPS=1e-6, L2NORM=True, F32=exact, NK=16, NV=32, H=128, HV=128, BLOCK_H=128)
     report(gdn._intra_kernel,
            dict(k_ptr=dt, v_ptr=dt, g_ptr=f32, beta_ptr=f32, cstart_ptr=i32, clen_ptr=i32,
                 gcum_ptr=f32, w_ptr=dt, u_ptr=dt),
