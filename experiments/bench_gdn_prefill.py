@@ -312,9 +312,9 @@ def main(argv=None):
     args.nk, args.nv, args.head_dim = GDN_HEADS["nk"], GDN_HEADS["nv"], GDN_HEADS["h"]
     name, copy_bytes, matmul_n = "gdn_prefill", 4 << 30, 8192
     if args.smoke:
-        args.conv_cases = [dict(batch=1, tokens=70, seqs=3)]
+        args.conv_cases = [dict(batch=1, tokens=40, seqs=3)]
         args.conv_channels = 32
-        args.gdn_cases = [dict(batch=1, tokens=70)]
+        args.gdn_cases = [dict(batch=1, tokens=40)]
         args.nk, args.nv, args.head_dim = 1, 2, 16
         name, copy_bytes, matmul_n = "gdn_prefill_smoke", 1 << 20, 256
         _TIMING.update(iters=1, trials=1, warmup=1)

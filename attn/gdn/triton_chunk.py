@@ -134,6 +134,7 @@ def _intra_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
 ):
+    tl.static_assert(BT == 4 * SUB)  # the (I + A)⁻¹ below relies on N⁴ = 0
     ci = tl.program_id(0)
     head = tl.program_id(1)
     kh = head // (NV // NK)
