@@ -38,8 +38,8 @@ give back the pages outside sink + window), so 30 layers do not compile 30 alloc
 are data: each request carries per-layer, per-KV-head `window` and `sinks` arrays (`Policy`,
 `[L, K]` in model layer indices; entries of GDN layers are ignored, MLA layers cannot hold a
 window), passed to the step as `[B, L, K]` int32, so requests with different policies share a
-batch and a compiled step (prefill attention takes `[B, K]` windows; paged decode is vmapped over
-rows).
+batch and a compiled step (paged prefill and paged decode both take `[B, K]` windows; nothing is
+vmapped over rows, which jax-triton's kernels could not be).
 Sampling (greedy, temperature, top-k, top-p) runs inside the step on the last real token of each
 row; the key of the token at position `p` is `fold_in(key(seed), p)`, so a preempted request that
 is recomputed samples the very same tokens.
@@ -328,13 +328,10 @@ class PagedAttend:
                                 page_size=self.page_size)
         pool = kv.write_kv(pool, tables, qkv.k, qkv.v, self.offsets, self.num_new)
         if self.decode:
-            def one(q, table, length, w, s):
-                o, _ = paged_decode(q[None], pool.k, pool.v, table[None], length[None],
-                                    scale=spec.scale, window=w, sinks=s, k_scales=pool.k_scale,
-                                    v_scales=pool.v_scale, implementation=self.implementation)
-                return o[0]
-
-            o = jax.vmap(one)(qkv.q[:, 0], table, lengths, window, sinks)[:, None]
+            o, _ = paged_decode(qkv.q[:, 0], pool.k, pool.v, table, lengths, scale=spec.scale,
+                                window=window, sinks=sinks, k_scales=pool.k_scale,
+                                v_scales=pool.v_scale, implementation=self.implementation)
+            o = o[:, None]
         else:
             o, _ = paged_prefill_attention(
                 qkv.q, pool.k, pool.v, table, self.offsets, lengths, scale=spec.scale,

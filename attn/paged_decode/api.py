@@ -58,8 +58,9 @@ def _check_pool(name: str, pages, scales, scales_name: str) -> int:
     return page // n_sub
 
 
-def _check_per_head(name: str, value, num_kv: int, *, non_negative: bool):
-    """None, a Python int, or a `[K]` int32 array; returned as a `[K]` int32 array."""
+def _check_per_head(name: str, value, num_kv: int, *, non_negative: bool, batch: int):
+    """None, a Python int, a `[K]` or a `[B, K]` int32 array; returned as a `[K]` or `[B, K]`
+    int32 array."""
     if value is None:
         return reference.per_head(None, num_kv)
     if isinstance(value, bool):
@@ -73,8 +74,9 @@ def _check_per_head(name: str, value, num_kv: int, *, non_negative: bool):
     if not hasattr(value, "dtype"):
         raise TypeError(f"{name}={value!r} must be None, an int or a [K] int32 array")
     _checks.check_dtype(name, value, (jnp.int32,))
-    if value.shape != (num_kv,):
-        raise ValueError(f"{name}.shape={value.shape} must be [K]=({num_kv},)")
+    if value.shape not in ((num_kv,), (batch, num_kv)):
+        raise ValueError(f"{name}.shape={value.shape} must be [K]=({num_kv},) or "
+                         f"[B, K]={(batch, num_kv)}")
     return jnp.asarray(value)
 
 
@@ -115,8 +117,8 @@ def _validate(q, k_pages, v_pages, block_tables, lengths, *, scale, window, sink
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"{scale=} must be finite and positive")
         scale = float(scale)
-    window = _check_per_head("window", window, num_kv, non_negative=False)
-    sinks = _check_per_head("sinks", sinks, num_kv, non_negative=True)
+    window = _check_per_head("window", window, num_kv, non_negative=False, batch=batch)
+    sinks = _check_per_head("sinks", sinks, num_kv, non_negative=True, batch=batch)
     impl = resolve_implementation(implementation, supported=supported)
     return impl, scale, window, sinks
 
@@ -130,8 +132,8 @@ def paged_decode_partials(
     *,
     num_splits: int,
     scale: float | None = None,
-    window: int | Int[Array, " K"] | None = None,
-    sinks: int | Int[Array, " K"] | None = None,
+    window: int | Int[Array, "*B K"] | None = None,
+    sinks: int | Int[Array, "*B K"] | None = None,
     k_scales: Float[Array, "K num_pages C"] | None = None,
     v_scales: Float[Array, "K num_pages C"] | None = None,
     implementation: str = "auto",
@@ -168,8 +170,8 @@ def paged_decode(
     lengths: Int[Array, " B"],
     *,
     scale: float | None = None,
-    window: int | Int[Array, " K"] | None = None,
-    sinks: int | Int[Array, " K"] | None = None,
+    window: int | Int[Array, "*B K"] | None = None,
+    sinks: int | Int[Array, "*B K"] | None = None,
     k_scales: Float[Array, "K num_pages C"] | None = None,
     v_scales: Float[Array, "K num_pages C"] | None = None,
     num_splits: int = 1,
@@ -192,9 +194,9 @@ def paged_decode(
         -1 = not allocated; page 0 is the reserved null page.
       lengths: `[B]` int32 tokens in the cache, the decode token included; 0 = padding row.
       scale: score scale; default `H ** -0.5`.
-      window: None, an int, or `[K]` int32: most recent positions visible, the query's own
+      window: None, an int, `[K]` or `[B, K]` int32: most recent positions visible, the query's own
         included; `<= 0` means full attention (for that head).
-      sinks: None, an int >= 0, or `[K]` int32: the first `sinks` positions stay visible.
+      sinks: None, an int >= 0, `[K]` or `[B, K]` int32: the first `sinks` positions stay visible.
       k_scales, v_scales: `[K, num_pages, P // sub_block]` float32 block-wise fp8 scales
         (`kv.fp8` layout), required exactly when the matching pages are fp8; the pages are
         dequantised inside.

@@ -27,11 +27,13 @@ from jaxtyping import Array, Bool, Float, Int
 from attn.merge import reference as merge_reference
 
 
-def per_head(value: int | Array | None, num_kv_heads: int) -> Int[Array, " K"]:
-    """Window / sinks argument as a `[K]` int32 array; `None` gives zeros (no window, no sinks)."""
+def per_head(value: int | Array | None, num_kv_heads: int) -> Int[Array, "*B K"]:
+    """Window / sinks argument as a `[K]` int32 array, or `[B, K]` (per row and head) as given;
+    `None` gives zeros (no window, no sinks)."""
     if value is None:
         value = 0
-    return jnp.broadcast_to(jnp.asarray(value, jnp.int32), (num_kv_heads,))
+    value = jnp.asarray(value, jnp.int32)
+    return value if value.ndim == 2 else jnp.broadcast_to(value, (num_kv_heads,))
 
 
 def gather_pages(
@@ -75,13 +77,14 @@ def visible_mask(
     block_tables: Int[Array, "B K M"],
     lengths: Int[Array, " B"],
     page_size: int,
-    window: int | Int[Array, " K"] | None = None,
-    sinks: int | Int[Array, " K"] | None = None,
+    window: int | Int[Array, "*B K"] | None = None,
+    sinks: int | Int[Array, "*B K"] | None = None,
 ) -> Bool[Array, "B K S"]:
-    """Which keys the decode query of each row sees, per KV head (see the module docstring)."""
-    _, num_kv, max_pages = block_tables.shape
-    window = per_head(window, num_kv)[None, :, None]  # [1, K, 1]
-    sinks = per_head(sinks, num_kv)[None, :, None]
+    """Which keys the decode query of each row sees, per KV head (see the module docstring);
+    `window` / `sinks` per head `[K]` or per row and head `[B, K]`."""
+    batch, num_kv, max_pages = block_tables.shape
+    window = jnp.broadcast_to(per_head(window, num_kv), (batch, num_kv))[:, :, None]  # [B, K, 1]
+    sinks = jnp.broadcast_to(per_head(sinks, num_kv), (batch, num_kv))[:, :, None]
     s = jnp.arange(max_pages * page_size, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
     q_pos = (lengths.astype(jnp.int32) - 1)[:, None, None]  # [B, 1, 1]
     in_window = (window <= 0) | (s > q_pos - window)
@@ -108,8 +111,8 @@ def paged_decode_partials(
     *,
     num_splits: int,
     scale: float | None = None,
-    window: int | Int[Array, " K"] | None = None,
-    sinks: int | Int[Array, " K"] | None = None,
+    window: int | Int[Array, "*B K"] | None = None,
+    sinks: int | Int[Array, "*B K"] | None = None,
     k_scales: Float[Array, "K num_pages C"] | None = None,
     v_scales: Float[Array, "K num_pages C"] | None = None,
 ) -> tuple[Float[Array, "B N J Hv"], Float[Array, "B N J"]]:
@@ -167,8 +170,8 @@ def paged_decode(
     lengths: Int[Array, " B"],
     *,
     scale: float | None = None,
-    window: int | Int[Array, " K"] | None = None,
-    sinks: int | Int[Array, " K"] | None = None,
+    window: int | Int[Array, "*B K"] | None = None,
+    sinks: int | Int[Array, "*B K"] | None = None,
     k_scales: Float[Array, "K num_pages C"] | None = None,
     v_scales: Float[Array, "K num_pages C"] | None = None,
     num_splits: int = 1,

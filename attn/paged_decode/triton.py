@@ -69,8 +69,8 @@ def _paged_decode_kernel(
     v_ptr,  # [K, NUM_PAGES, P, HV]
     table_ptr,  # [B, K, MAX_PAGES] int32
     len_ptr,  # [B] int32
-    window_ptr,  # [K] int32, <= 0: full
-    sink_ptr,  # [K] int32
+    window_ptr,  # [B, K] int32, <= 0: full
+    sink_ptr,  # [B, K] int32
     k_scale_ptr,  # [K, NUM_PAGES, P // SUB] f32 (unused unless FP8)
     v_scale_ptr,  # [K, NUM_PAGES, P // SUB] f32 (unused unless FP8)
     o_ptr,  # [B, K, G, SPLITS, HV] f32
@@ -97,8 +97,8 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
 
     length = tl.load(len_ptr + b)
-    window = tl.load(window_ptr + kh)
-    sinks = tl.load(sink_ptr + kh)
+    window = tl.load(window_ptr + b * K + kh)
+    sinks = tl.load(sink_ptr + b * K + kh)
     win_start = tl.where(window > 0, tl.maximum(length - window, 0), 0)
     sink_end = tl.minimum(tl.maximum(sinks, 0), win_start)
     n_visible = sink_end + length - win_start
@@ -173,7 +173,7 @@ def paged_decode_partials(
 ):
     """Partial results `(o [B, N, splits, Hv] f32, lse [B, N, splits] f32)`; inputs validated.
 
-    `window` and `sinks` are `[K]` int32 (window <= 0: full head).
+    `window` and `sinks` are `[K]` or `[B, K]` int32 (window <= 0: full head).
     """
     b, n, h = q.shape
     kh, num_pages, p, _ = k_pages.shape
@@ -192,8 +192,8 @@ def paged_decode_partials(
         v_pages,
         block_tables.astype(jnp.int32),
         lengths.astype(jnp.int32),
-        window.astype(jnp.int32),
-        sinks.astype(jnp.int32),
+        jnp.broadcast_to(window.astype(jnp.int32), (b, kh)),
+        jnp.broadcast_to(sinks.astype(jnp.int32), (b, kh)),
         k_scales,
         v_scales,
         kernel=_paged_decode_kernel,

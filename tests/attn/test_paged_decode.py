@@ -383,6 +383,7 @@ SCALES = np.ones((4, 5, 4), np.float32)
         (dict(scale=float("nan")), ValueError, "scale=nan"),
         (dict(scale="0.1"), TypeError, "scale='0.1'"),
         (dict(window=np.zeros((3,), np.int32)), ValueError, r"window.shape=\(3,\)"),
+        (dict(window=np.zeros((9, 9), np.int32)), ValueError, r"or \[B, K\]="),
         (dict(window=np.zeros((4,), np.float32)), TypeError, "window.dtype=float32"),
         (dict(window=1.5), TypeError, "window=1.5"),
         (dict(window=True), TypeError, "window=True"),

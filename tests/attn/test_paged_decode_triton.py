@@ -70,6 +70,27 @@ def test_kernel_matches_reference(c, window):
     assert (np.asarray(out)[1] == 0).all() and np.isneginf(np.asarray(lse)[1]).all()
 
 
+def test_per_row_windows_match_row_by_row_decode():
+    """`[B, K]` window / sinks (one policy per request, as the engine passes them) == each row
+    decoded alone with its own `[K]` window / sinks."""
+    gen = rng()
+    b, kh = 4, 2
+    q, kp, vp, tables, lengths, owned = _problem(gen, b=b, kh=kh, g=3, h=32, hv=32, p=16,
+                                                 max_pages=5, dtype=jnp.float32)
+    kp, vp = poison(kp, owned), poison(vp, owned)
+    w = jnp.asarray(gen.integers(-1, 80, (b, kh)), jnp.int32)
+    sk = jnp.asarray(gen.integers(0, 24, (b, kh)), jnp.int32)
+    cfg = kernel.Config(block_n=16, num_splits=2)
+    out, lse = kernel.paged_decode(q, kp, vp, tables, lengths, scale=0.3, window=w, sinks=sk,
+                                   config=cfg)
+    for r in range(b):
+        one = slice(r, r + 1)
+        exp_out, exp_lse = ref.paged_decode(q[one], kp, vp, tables[one], lengths[one], scale=0.3,
+                                            window=w[r], sinks=sk[r])
+        assert_close(out[one], exp_out, atol=1e-5, rtol=1e-5)
+        assert_close(lse[one], exp_lse, allow_neg_inf=True)
+
+
 @pytest.mark.parametrize("sub_block", [1, 4, 16])
 def test_fp8_pages_match_their_dequantised_copy(sub_block):
     gen = rng()
@@ -124,6 +145,8 @@ def test_compiled_on_gpu(g, p):
     kp, vp = poison(kp, owned), poison(vp, owned)
     w, sk = _per_head(gen, kh, 4096)
     w = w.at[0].set(0)
+    w = jnp.stack([w, jnp.roll(w, 1)] * 3)  # [B, K]: one policy per row, as the engine passes
+    sk = jnp.stack([sk] * 6)
     run = jax.jit(lambda *a: kernel.paged_decode(*a, scale=h**-0.5, window=w, sinks=sk))
     out, lse = run(q, kp, vp, tables, lengths)
     exp_out, exp_lse = ref.paged_decode(q, kp, vp, tables, lengths, scale=h**-0.5, window=w,
