@@ -203,8 +203,8 @@ def _recurrent64(q, k, v, g, beta, h0, *, scale=None, l2norm=True):
 @pytest.mark.parametrize("init", [True, False], ids=["state", "zero-state"])
 def test_chunked_kernel_matches_reference_and_float64(init):
     """f32, GVA 1 -> 2 value heads, H16 / Hv32, l2-norm (B2 with states, B1 without): within
-    1e-5 of the float64 recurrence at every length, and (with a state) within the f32 tolerance
-    of the XLA reference at T = 65 (the reference compiles per shape: one length keeps the test
+    1e-5 of the float64 recurrence at every length, and (with a state) within 1e-4 of the
+    float32 XLA reference at T = 65 (the reference compiles per shape: one length keeps the test
     fast)."""
     gen = rng()
     b = 2 if init else 1
@@ -215,8 +215,9 @@ def test_chunked_kernel_matches_reference_and_float64(init):
         assert final.shape == (b, 2, 16, 32) and final.dtype == jnp.float32
         if t == 65 and init:
             exp_o, exp_final = ref_chunked(*xs, initial_state=h0, use_qk_l2norm=True)
-            assert_close(o, exp_o, err_msg=f"T={t}")
-            assert_close(final, exp_final, err_msg=f"T={t}")
+            # Two float32 chunked algorithms round differently: 1e-4 against each other.
+            assert_close(o, exp_o, atol=1e-4, rtol=1e-4, err_msg=f"T={t}")
+            assert_close(final, exp_final, atol=1e-4, rtol=1e-4, err_msg=f"T={t}")
         o64, final64 = _recurrent64(*xs, h0)
         assert_close(o, o64, atol=1e-5, rtol=1e-5, err_msg=f"T={t} vs float64")
         assert_close(final, final64, atol=1e-5, rtol=1e-5, err_msg=f"T={t} vs float64")
@@ -269,9 +270,12 @@ def test_chunked_public_api_and_pool_dispatch_to_the_kernel_under_jit():
         *xs, jnp.asarray(pool), jnp.asarray(SLOT_IDS))
     o, new_pool = np.asarray(o), np.asarray(new_pool)
     live = SLOT_IDS > 0
-    assert_close(o[live], np.asarray(exp_o)[live])
+    # Two float32 chunked algorithms (the reference's WY in XLA, the kernel's block solve) round
+    # differently: 1e-4 against each other (the float64 tests above hold the kernel to 1e-5).
+    tol = dict(atol=1e-4, rtol=1e-4)
+    assert_close(o[live], np.asarray(exp_o)[live], **tol)
     assert (o[~live] == 0).all(), "padding rows must output exactly 0"
-    assert_close(new_pool[SLOT_IDS[live]], np.asarray(exp_pool)[SLOT_IDS[live]])
+    assert_close(new_pool[SLOT_IDS[live]], np.asarray(exp_pool)[SLOT_IDS[live]], **tol)
     # As the reference, the padding row writes its state to the null slot 0; no other slot moves.
     untouched = ~np.isin(np.arange(SLOTS), SLOT_IDS)
     np.testing.assert_array_equal(_bits(new_pool[untouched]), _bits(dirty[untouched]))
@@ -280,8 +284,8 @@ def test_chunked_public_api_and_pool_dispatch_to_the_kernel_under_jit():
     run = jax.jit(lambda *a: gdn.gdn_chunked(*a, initial_state=h0, implementation="triton"))
     o, final = run(*xs)
     exp_o, exp_final = ref_chunked(*xs, initial_state=h0)
-    assert_close(o, exp_o)
-    assert_close(final, exp_final)
+    assert_close(o, exp_o, **tol)
+    assert_close(final, exp_final, **tol)
 
 
 def test_chunked_kernel_gradient_is_the_references():
