@@ -61,6 +61,23 @@ def check_power_of_two(name: str, value: int) -> None:
         raise ValueError(f"{name}={value} must be a power of two")
 
 
+def check_launch_config(config, *, tiles: Sequence[str], warps: Sequence[str] = ("num_warps",),
+                        stages: Sequence[str] = ("num_stages",)) -> None:
+    """Validate a kernel launch config dataclass: every field in `tiles` a power of two >= 16
+    (a `tl.dot` operand side), `warps` in {1, 2, 4, 8, 16}, `stages` >= 1; ValueError names the
+    field and its value."""
+    for name in tiles:
+        value = getattr(config, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name}={value} must be a power of two >= 16")
+    for name in warps:
+        if getattr(config, name) not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{name}={getattr(config, name)} must be one of 1, 2, 4, 8, 16")
+    for name in stages:
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name}={getattr(config, name)} must be >= 1")
+
+
 def check_int32_addressable(name: str, shape: Sequence[int]) -> None:
     """Refuse arrays whose flat element count would overflow int32 offsets in a kernel."""
     n = 1

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from attn import _checks
 from attn._harness import triton_call
 from attn.block_sparse import reference
 from attn.dense.triton_paged import with_reference_gradient
@@ -50,14 +51,7 @@ class Config:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name}={value} must be a power of two >= 16")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+        _checks.check_launch_config(self, tiles=("block_m", "block_n"))
 
 
 def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:

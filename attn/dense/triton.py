@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from attn import _checks
 from attn._harness import triton_call
 
 LOG2E = math.log2(math.e)
@@ -58,16 +59,9 @@ class Config:
     bwd_num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "bwd_block_m", "bwd_block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name}={value} must be a power of two >= 16")
-        for name in ("num_warps", "bwd_num_warps"):
-            if getattr(self, name) not in (1, 2, 4, 8, 16):
-                raise ValueError(f"{name}={getattr(self, name)} must be one of 1, 2, 4, 8, 16")
-        for name in ("num_stages", "bwd_num_stages"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        _checks.check_launch_config(
+            self, tiles=("block_m", "block_n", "bwd_block_m", "bwd_block_n"),
+            warps=("num_warps", "bwd_num_warps"), stages=("num_stages", "bwd_num_stages"))
 
 
 def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
