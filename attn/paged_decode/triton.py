@@ -2,11 +2,13 @@
 
 One program handles all `G` query heads of one KV head of one sequence, over one split of that
 head's visible keys, so each K/V page is read from HBM once per (sequence, KV head). The visible
-keys of a head are `[0, sink_end) ∪ [win_start, length)`: a streaming head walks only its sink and
-window tokens, so its time shrinks with what it reads, not just what it masks. Keys are gathered
-token by token through the block table (a tile may span pages of any size `P`); a -1 entry is read
-as the null page 0 and masked. FP8 pages are dequantised in the kernel: the K scale multiplies the
-score columns and the V scale the probabilities, so the tiles go to the tensor cores unscaled.
+keys of a head are `[0, sink_end) ∪ [win_start, length)`: a streaming head walks only the
+`BLOCK_N`-aligned tiles that hold its sink and window tokens, so its time shrinks with what it
+reads, not just what it masks. When a tile lies in one page (`P % BLOCK_N == 0`) its page id is
+read once and the tile loaded as one contiguous block; otherwise (small pages) keys are gathered
+token by token through the block table. A -1 entry is read as the null page 0 and masked. FP8
+pages are dequantised in the kernel: the K scale multiplies the score columns and the V scale the
+probabilities, so the tiles go to the tensor cores unscaled.
 
 Partial results `[B, N, splits, Hv]` and their log-sum-exp are merged by `attn.merge`.
 
@@ -39,6 +41,9 @@ class Config:
     # FP8 tiles widen to this dtype for the tensor cores. e4m3 -> f16 is one conversion
     # instruction on Hopper; e4m3 -> bf16 is not.
     fp8_compute: str = "float16"
+    # When a tile lies inside one page (P % block_n == 0), read its page id once and load the
+    # tile as one contiguous block; False gathers token by token (any page size).
+    page_tiles: bool = True
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -91,6 +96,7 @@ def _paged_decode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
+    PAGE_TILES: tl.constexpr,
 ):
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -101,8 +107,11 @@ def _paged_decode_kernel(
     sinks = tl.load(sink_ptr + b * K + kh)
     win_start = tl.where(window > 0, tl.maximum(length - window, 0), 0)
     sink_end = tl.minimum(tl.maximum(sinks, 0), win_start)
-    n_visible = sink_end + length - win_start
-    tiles = tl.cdiv(n_visible, BLOCK_N)
+    # Tiles of BLOCK_N positions, aligned to BLOCK_N: the sink tiles, then the window's from the
+    # first tile past the sinks' (a tile holding both is visited once, as a sink tile).
+    sink_tiles = tl.cdiv(sink_end, BLOCK_N)
+    win_tile0 = tl.maximum(win_start // BLOCK_N, sink_tiles)
+    tiles = sink_tiles + tl.maximum(tl.cdiv(length, BLOCK_N) - win_tile0, 0)
     per_split = tl.cdiv(tiles, SPLITS)
     t_lo = split * per_split
     t_hi = tl.minimum(t_lo + per_split, tiles)
@@ -127,12 +136,17 @@ def _paged_decode_kernel(
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_HV], tl.float32)
     for t in range(t_lo, t_hi):
-        idx = t * BLOCK_N + offs_n  # [BLOCK_N] index into the visible keys
-        valid = idx < n_visible
-        pos = tl.where(idx < sink_end, idx, win_start + idx - sink_end)
-        page = tl.load(table_row + pos // P, mask=valid, other=0)
-        page = tl.where(page < 0, 0, page)  # -1: null page, masked below
-        row = (kh * NUM_PAGES + page).to(tl.int64) * P + pos % P  # [BLOCK_N] token rows
+        start = tl.where(t < sink_tiles, t, win_tile0 + t - sink_tiles) * BLOCK_N
+        pos = start + offs_n  # [BLOCK_N] key positions
+        valid = (pos < sink_end) | ((pos >= win_start) & (pos < length))
+        if PAGE_TILES:  # the tile lies in one page: one table entry, a contiguous block
+            page = tl.load(table_row + start // P)
+            page = tl.where(page < 0, 0, page)  # -1: null page, masked below
+            row = (kh * NUM_PAGES + page).to(tl.int64) * P + start % P + offs_n
+        else:
+            page = tl.load(table_row + pos // P, mask=valid, other=0)
+            page = tl.where(page < 0, 0, page)
+            row = (kh * NUM_PAGES + page).to(tl.int64) * P + pos % P  # [BLOCK_N] token rows
         k = tl.load(  # [BLOCK_N, BLOCK_H]
             k_ptr + row[:, None] * H + offs_h[None, :],
             mask=valid[:, None] & mask_h[None, :],
@@ -140,7 +154,7 @@ def _paged_decode_kernel(
         )
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_G, BLOCK_N]
         if FP8:
-            srow = (kh * NUM_PAGES + page).to(tl.int64) * (P // SUB) + (pos % P) // SUB
+            srow = row // SUB  # [K, NUM_PAGES, P // SUB] scales: one per SUB token rows
             s = s * tl.load(k_scale_ptr + srow, mask=valid, other=0.0)[None, :]
         s = tl.where(valid[None, :], s * SCALE_LOG2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -220,6 +234,7 @@ def paged_decode_partials(
         BLOCK_H=max(16, triton.next_power_of_2(h)),
         BLOCK_HV=max(16, triton.next_power_of_2(hv)),
         PRECISION=precision,
+        PAGE_TILES=config.page_tiles and p % config.block_n == 0,
     )
     return o.reshape(b, n, splits, hv), lse.reshape(b, n, splits)
 

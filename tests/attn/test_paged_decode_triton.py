@@ -47,11 +47,14 @@ CASES = [
     dict(kh=1, g=5, h=64, hv=32, p=16, max_pages=6, n=32, splits=3),
     dict(kh=2, g=7, h=16, hv=24, p=32, max_pages=3, n=16, splits=2),
     dict(kh=1, g=16, h=48, hv=48, p=64, max_pages=2, n=64, splits=1),
+    # Tiles inside one page, read token by token anyway (the gather path on large pages).
+    dict(kh=2, g=2, h=32, hv=32, p=32, max_pages=4, n=16, splits=2, page_tiles=False),
 ]
 
 
 @pytest.mark.parametrize("c", CASES, ids=lambda c: case_id(G=c["g"], H=c["h"], P=c["p"],
-                                                         J=c["splits"]))
+                                                         N=c["n"], J=c["splits"])
+                         + ("" if c.get("page_tiles", True) else "-gather"))
 @pytest.mark.parametrize("window", [False, True], ids=["full", "window-sink"])
 def test_kernel_matches_reference(c, window):
     gen = rng()
@@ -61,7 +64,8 @@ def test_kernel_matches_reference(c, window):
     kp, vp = poison(kp, owned), poison(vp, owned)  # unowned pages must never leak in
     w, sk = _per_head(gen, c["kh"], c["max_pages"] * c["p"]) if window else (
         ref.per_head(None, c["kh"]), ref.per_head(None, c["kh"]))
-    cfg = kernel.Config(block_n=c["n"], num_splits=c["splits"])
+    cfg = kernel.Config(block_n=c["n"], num_splits=c["splits"],
+                        page_tiles=c.get("page_tiles", True))
     out, lse = kernel.paged_decode(q, kp, vp, tables, lengths, scale=0.3, window=w, sinks=sk,
                                    config=cfg)
     exp_out, exp_lse = ref.paged_decode(q, kp, vp, tables, lengths, scale=0.3, window=w, sinks=sk)
