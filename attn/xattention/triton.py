@@ -1,18 +1,37 @@
 """Triton XAttention estimate: antidiagonal strided scores, causal softmax per reduced row and
-block sums in one kernel; the threshold selection (`reference.find_blocks`) stays in XLA.
+block sums in two kernels; the threshold selection (`reference.find_blocks`) stays in XLA.
 
-One program owns `BLOCK_R` reduced query rows (`BLOCK_R * stride / block_size` query tiles) of one
-query head of one request. Reduced scores are `A[m, c] = Σ_{i<st} q[m·st + st-1-i] · k[c·st + i]`:
-`st` tensor-core dots of `[BLOCK_R, H] x [H, BLOCK_C]`, the query rows gathered at stride `st`. A
-first pass over the causally visible reduced columns (`c <= m + ceil((kv_len - q_len) / st)`,
-`c < ceil(kv_len / st)`) finds each row's max and sum (online, base 2); the second recomputes the
-scores, normalises them and sums the probabilities into `(block_size / st)^2` tiles, written once
-each to `block_sums [B, N, Tb, Sb]` (zeroed first: blocks past the diagonal keep 0). Columns past
-a program's last visible one are never visited. Work: twice the estimate GEMM of the causal part.
+The scores are one GEMM on the reduced matrices, `A = q_r k_rᵀ` with `q_r [T/st, st·H]` (row `m`
+is `concat_i q[m·st + st-1-i]`) and `k_r [S/st, st·H]` (row `c` is `concat_i k[c·st + i]`), so
+`A[m, c] = Σ_{i<st} q[m·st + st-1-i] · k[c·st + i]`. It is tiled like a plain GEMM, not like flash
+attention: one program per `[BLOCK_R, BLOCK_C]` tile of `A` (reduced rows x reduced key columns)
+of one query head, the tiles listed in a static table that holds only the causally reachable
+ones, so every program does the same work and causal skipping costs nothing. The program walks
+the reduced feature axis `st·H` in `BLOCK_K` slices (a slice is part of one stride's `H`
+features, or several whole strides), the q rows gathered at token stride `st`, one tensor-core
+dot per slice. Row tiles are anchored at the last valid reduced row of the request, so with
+`kv_len - q_len` unknown until run time the tile table is still tight: row tile `i` (from the
+end) reaches at most `ceil(S/st) - i·BLOCK_R + 1` columns.
 
-Supports: any group size, `H` up to 256, bf16 / f16 / f32, strides and block sizes that are powers
-of two with `block_size / stride` reduced rows per tile. Not differentiable (a mask estimate).
-Not supported (NotImplementedError): head dims over 256.
+A program cannot finish a row's softmax (it sees one column tile), so instead of a second GEMM
+pass it stores, per reduced row `m` and key block `j` of its tile, the base-2 log-sum-exp of the
+row's scaled scores over the block's visible columns (`-inf` when none): a `[B, N, Tb·R, Sb]`
+f32 scratch with `R = block_size / st`. The second kernel, one program per query tile, combines
+those into each row's log-sum-exp and writes `block_sums[b, n, r, j] = Σ_{m in tile r}
+2^(lse_block[m, j] - lse_row[m])`, every entry (0 past the diagonal). Work: one pass of the
+causal reduced GEMM (the first version recomputed it for a second softmax pass) plus a read of
+the scratch (`R`x the size of `block_sums`); the scratch is bounded by `Config.scratch_bytes`,
+beyond which the (request, head) pairs run in several launches.
+
+Visibility in reduced coordinates (as the reference): column `c` of row `m` counts iff
+`c <= m + ceil((kv_len - q_len) / st)` and `c < ceil(kv_len / st)`; rows `m >= ceil(q_len / st)`
+get no mass; queries past `q_len` and keys past `kv_len` read as 0 (never loaded). `norm` is a
+run-time value folded into the score scale, `log2(e) / sqrt(H) / st / norm`.
+
+Supports: any group size, `H` up to 256 (padded to a power of two and masked), bf16 / f16 / f32
+(f32 with IEEE dots, for tests), power-of-two block sizes and strides (as the API requires).
+Not differentiable (a mask estimate). Not supported (NotImplementedError, so
+`implementation="auto"` falls back to XLA): head dims over 256.
 """
 
 import dataclasses
@@ -21,6 +40,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import triton
 import triton.language as tl
 
@@ -31,44 +51,41 @@ from attn.xattention import reference
 
 LOG2E = math.log2(math.e)
 _MAX_HEAD_DIM = 256
+_FIXUP_ROWS = 64  # reduced rows per block-sum program (at least one query tile's R)
+_FIXUP_ELEMENTS = 4096  # scratch entries a block-sum program holds per step
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-    """`block_r` reduced query rows x `block_c` reduced key columns per step (each raised to the
-    `block_size / stride` reduced rows of one tile when that is larger)."""
+    """Launch configuration of the score kernel.
 
-    block_r: int = 16
-    block_c: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
+    Each program computes one `block_r x block_c` tile of reduced scores (reduced query rows x
+    reduced key columns; `block_c` is raised to `block_size / stride` when that is larger) with
+    a K loop of `block_k`-feature slices of the `stride·H` reduced features (`block_k` is capped
+    at `stride·H`), `num_stages` slices in flight. Defaults for Hopper bf16 at H = 128, stride
+    16: 128 x 128 tiles (64 FLOP per byte of q/k tile traffic; the operands are re-read from L2
+    per tile as in any GEMM), 64-feature slices, 8 warps (two warpgroups of 64 rows), 3 stages
+    (96 KiB of shared memory). Not timed on a GPU yet: sweep `block_r, block_c` in {64, 128}
+    (and 256 x 128), `block_k` in {32, 64, 128}, `num_warps` in {4, 8}, `num_stages` in {2, 3,
+    4}. `scratch_bytes` bounds the per-(row, key block) scratch of one launch; more (request,
+    head) pairs than fit run in further launches.
+    """
+
+    block_r: int = 128
+    block_c: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    scratch_bytes: int = 1 << 30
 
     def __post_init__(self):
-        _checks.check_launch_config(self, tiles=("block_r", "block_c"))
+        _checks.check_launch_config(self, tiles=("block_r", "block_c", "block_k"))
+        if self.scratch_bytes <= 0:
+            raise ValueError(f"scratch_bytes={self.scratch_bytes} must be positive")
 
 
 @triton.jit
-def _scores(q_base, k_base, m, cols, q_len, kv_len,
-            ST: tl.constexpr, N: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
-            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-            PRECISION: tl.constexpr):
-    """`[BLOCK_R, BLOCK_C]` f32 antidiagonal sums for reduced rows `m` and columns `cols`."""
-    offs_h = tl.arange(0, BLOCK_H)
-    mask_h = (offs_h < H)[None, :]
-    a = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
-    for i in range(ST):
-        q_tok = m * ST + (ST - 1 - i)  # [BLOCK_R]
-        k_tok = cols * ST + i  # [BLOCK_C]
-        q = tl.load(q_base + q_tok[:, None] * (N * H) + offs_h[None, :],
-                    mask=(q_tok < q_len)[:, None] & mask_h, other=0.0)
-        k = tl.load(k_base + k_tok[:, None] * (K * H) + offs_h[None, :],
-                    mask=(k_tok < kv_len)[:, None] & mask_h, other=0.0)
-        a = tl.dot(q, tl.trans(k), a, input_precision=PRECISION)
-    return a
-
-
-@triton.jit
-def _block_sums_kernel(
+def _tile_lse_kernel(
     q_ptr,  # [B, T, N, H]
     k_ptr,  # [B, S, K, H]
     q_len_ptr,  # [B] int32
@@ -76,8 +93,10 @@ def _block_sums_kernel(
     shift_ptr,  # [B] int32 ceil((kv_len - q_len) / st)
     rows_ptr,  # [B] int32 ceil(q_len / st): reduced rows of real queries
     cols_ptr,  # [B] int32 ceil(kv_len / st): reduced columns of real keys
-    sums_ptr,  # [B, N, TB, SB] f32, zeroed
-    SCALE_LOG2: tl.constexpr,
+    tiles_ptr,  # [num_tiles, 2] int32 (row tile counted from the last valid row, column tile)
+    scale_ptr,  # [1] f32 log2(e) / sqrt(H) / st / norm
+    bn0_ptr,  # [1] int32 first flat (request, head) pair of this launch
+    lse_ptr,  # [BN, RT, SB] f32 scratch: log2-sum-exp2 per (reduced row, key block)
     B: tl.constexpr,
     T: tl.constexpr,
     S: tl.constexpr,
@@ -86,21 +105,21 @@ def _block_sums_kernel(
     H: tl.constexpr,
     ST: tl.constexpr,
     R: tl.constexpr,  # reduced rows (and columns) per block: block_size // stride
-    TB: tl.constexpr,
+    RT: tl.constexpr,  # scratch rows: Tb * R
     SB: tl.constexpr,
-    NUM_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     N: tl.constexpr = K * G
-    QB: tl.constexpr = BLOCK_R // R  # query tiles per program
-    CB: tl.constexpr = BLOCK_C // R  # key blocks per step
-    pid = tl.program_id(0)
-    n = pid % N
-    b = (pid // N) % B
-    mt = NUM_M - 1 - pid // (N * B)
+    CB: tl.constexpr = BLOCK_C // R  # key blocks per tile
+    tile = tl.program_id(0)
+    bn_local = tl.program_id(1)
+    bn = tl.load(bn0_ptr) + bn_local
+    b = bn // N
+    n = bn % N
     kh = n // G
 
     q_len = tl.minimum(tl.maximum(tl.load(q_len_ptr + b), 0), T)
@@ -108,42 +127,107 @@ def _block_sums_kernel(
     shift = tl.load(shift_ptr + b)
     valid_rows = tl.load(rows_ptr + b)
     valid_cols = tl.load(cols_ptr + b)
-    m = mt * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] query-local reduced rows
+    top = valid_rows - 1 - tl.load(tiles_ptr + 2 * tile) * BLOCK_R  # last reduced row of the tile
+    c0 = tl.load(tiles_ptr + 2 * tile + 1) * BLOCK_C
+    # The table covers any lengths; this request may see less (or nothing) of the tile.
+    if (top >= 0) & (c0 <= tl.minimum(top + shift, valid_cols - 1)):
+        m = top - (BLOCK_R - 1) + tl.arange(0, BLOCK_R)  # [BLOCK_R] reduced rows, some < 0
+        cols = c0 + tl.arange(0, BLOCK_C)  # [BLOCK_C] reduced columns
+        row_ok = m >= 0
+        offs_x = tl.arange(0, BLOCK_K)
+        if BLOCK_K > BLOCK_H:  # a slice joins BLOCK_K // BLOCK_H whole strides
+            xs = offs_x // BLOCK_H
+        else:  # a slice is part of one stride's features
+            xs = tl.zeros([BLOCK_K], tl.int32)
+        xh = offs_x % BLOCK_H
+        # Slice x0 holds strides i = x0 // BLOCK_H + xs, features x0 % BLOCK_H + xh: q token
+        # m·st + st-1-i (row base below, minus i tokens), k token c·st + i.
+        q_tok = m * ST + (ST - 1)  # [BLOCK_R] q token of stride 0
+        k_tok = cols * ST  # [BLOCK_C] k token of stride 0
+        q_ptrs = (q_ptr + b.to(tl.int64) * (T * N * H) + n * H
+                  + q_tok[:, None] * (N * H) + (xh - xs * (N * H))[None, :])  # [BLOCK_R, BLOCK_K]
+        k_ptrs = (k_ptr + b.to(tl.int64) * (S * K * H) + kh * H
+                  + k_tok[:, None] * (K * H) + (xh + xs * (K * H))[None, :])  # [BLOCK_C, BLOCK_K]
+        acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+        for x0 in range(0, ST * BLOCK_H, BLOCK_K):
+            i0 = x0 // BLOCK_H
+            if BLOCK_K < BLOCK_H:  # the hint keeps the slice's loads vectorised
+                h0 = tl.multiple_of(x0 % BLOCK_H, BLOCK_K)
+            else:
+                h0 = 0
+            q_mask = ((q_tok - i0)[:, None] - xs[None, :] < q_len) & row_ok[:, None]
+            k_mask = (k_tok + i0)[:, None] + xs[None, :] < kv_len
+            if BLOCK_H != H:
+                q_mask = q_mask & (h0 + xh < H)[None, :]
+                k_mask = k_mask & (h0 + xh < H)[None, :]
+            q = tl.load(q_ptrs + (h0 - i0 * (N * H)), mask=q_mask, other=0.0)  # [BLOCK_R, BLOCK_K]
+            k = tl.load(k_ptrs + (h0 + i0 * (K * H)), mask=k_mask, other=0.0)  # [BLOCK_C, BLOCK_K]
+            acc = tl.dot(q, tl.trans(k), acc, input_precision=PRECISION)
+
+        vis = ((cols[None, :] <= m[:, None] + shift) & (cols < valid_cols)[None, :]
+               & row_ok[:, None])
+        a = tl.where(vis, acc * tl.load(scale_ptr), float("-inf"))  # [BLOCK_R, BLOCK_C] base 2
+        mx = tl.max(a, 1)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        p = tl.exp2(a - mx[:, None])
+        blk = tl.sum(tl.reshape(p, [BLOCK_R, CB, R]), 2)  # [BLOCK_R, CB]
+        lse = tl.where(blk > 0.0, mx[:, None] + tl.log2(tl.where(blk > 0.0, blk, 1.0)),
+                       float("-inf"))
+        blocks = c0 // R + tl.arange(0, CB)  # [CB] key blocks
+        out = lse_ptr + (bn_local.to(tl.int64) * RT + m[:, None]) * SB + blocks[None, :]
+        tl.store(out, lse, mask=row_ok[:, None] & (blocks < SB)[None, :])
+
+
+@triton.jit
+def _block_sums_kernel(
+    lse_ptr,  # [BN, RT, SB] f32 scratch of `_tile_lse_kernel`
+    shift_ptr,  # [B] int32
+    rows_ptr,  # [B] int32
+    cols_ptr,  # [B] int32
+    bn0_ptr,  # [1] int32
+    sums_ptr,  # [BN, TB, SB] f32
+    N: tl.constexpr,
+    R: tl.constexpr,
+    RT: tl.constexpr,
+    TB: tl.constexpr,
+    SB: tl.constexpr,
+    QB: tl.constexpr,  # query tiles per program
+    BLOCK_J: tl.constexpr,
+):
+    bn_local = tl.program_id(1)
+    b = (tl.load(bn0_ptr) + bn_local) // N
+    shift = tl.load(shift_ptr + b)
+    valid_rows = tl.load(rows_ptr + b)
+    valid_cols = tl.load(cols_ptr + b)
+    q_blocks = tl.program_id(0) * QB + tl.arange(0, QB)  # [QB]
+    m = tl.program_id(0) * (QB * R) + tl.arange(0, QB * R)  # [QB * R] reduced rows
     row_ok = m < valid_rows
-    hi = tl.minimum(mt * BLOCK_R + BLOCK_R + shift, valid_cols)  # columns any row may see
-    end = (tl.maximum(hi, 0) + BLOCK_C - 1) // BLOCK_C * BLOCK_C
-    q_base = q_ptr + b.to(tl.int64) * (T * N * H) + n * H
-    k_base = k_ptr + b.to(tl.int64) * (S * K * H) + kh * H
-    offs_c = tl.arange(0, BLOCK_C)
+    rows = lse_ptr + (bn_local.to(tl.int64) * RT + m[:, None]) * SB  # [QB * R, 1]
+    offs_j = tl.arange(0, BLOCK_J)
 
-    mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_R], tl.float32)
-    for c0 in range(0, end, BLOCK_C):  # pass 1: row max and sum
-        cols = c0 + offs_c
-        a = _scores(q_base, k_base, m, cols, q_len, kv_len, ST, N, K, H, BLOCK_R, BLOCK_C,
-                    BLOCK_H, PRECISION)
-        vis = (cols[None, :] <= m[:, None] + shift) & (cols < valid_cols)[None, :] & row_ok[:, None]
-        a = tl.where(vis, a * SCALE_LOG2, float("-inf"))
-        m_new = tl.maximum(mx, tl.max(a, 1))
+    mx = tl.full([QB * R], float("-inf"), tl.float32)
+    l = tl.zeros([QB * R], tl.float32)
+    for j0 in range(0, SB, BLOCK_J):  # each row's log2-sum-exp2 over its visible blocks
+        j = j0 + offs_j
+        # Block j holds a visible column of row m iff its first column j·R does.
+        vis = (((j * R)[None, :] <= m[:, None] + shift) & (j * R < valid_cols)[None, :]
+               & row_ok[:, None])
+        x = tl.load(rows + j[None, :], mask=vis, other=float("-inf"))  # [QB * R, BLOCK_J]
+        m_new = tl.maximum(mx, tl.max(x, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l = l * tl.exp2(mx - m_use) + tl.sum(tl.exp2(a - m_use[:, None]), 1)
+        l = l * tl.exp2(mx - m_use) + tl.sum(tl.exp2(x - m_use[:, None]), 1)
         mx = m_new
+    row_lse = tl.where(l > 0.0, mx + tl.log2(tl.where(l > 0.0, l, 1.0)), 0.0)
 
-    m_use = tl.where(mx == float("-inf"), 0.0, mx)
-    inv_l = tl.where(l > 0.0, 1.0 / tl.where(l > 0.0, l, 1.0), 0.0)
-    q_blocks = mt * QB + tl.arange(0, QB)  # [QB]
-    out_rows = ((b * N + n) * TB + q_blocks).to(tl.int64) * SB  # [QB]
-    for c0 in range(0, end, BLOCK_C):  # pass 2: probabilities summed per (q tile, key block)
-        cols = c0 + offs_c
-        a = _scores(q_base, k_base, m, cols, q_len, kv_len, ST, N, K, H, BLOCK_R, BLOCK_C,
-                    BLOCK_H, PRECISION)
-        vis = (cols[None, :] <= m[:, None] + shift) & (cols < valid_cols)[None, :] & row_ok[:, None]
-        p = tl.where(vis, tl.exp2(a * SCALE_LOG2 - m_use[:, None]) * inv_l[:, None], 0.0)
-        per_tile = tl.sum(tl.reshape(p, [QB, R, BLOCK_C]), 1)  # [QB, BLOCK_C]
-        sums = tl.sum(tl.reshape(per_tile, [QB, CB, R]), 2)  # [QB, CB]
-        k_blocks = c0 // R + tl.arange(0, CB)  # [CB]
-        tl.store(sums_ptr + out_rows[:, None] + k_blocks[None, :], sums,
-                 mask=(q_blocks < TB)[:, None] & (k_blocks < SB)[None, :])
+    out = sums_ptr + (bn_local.to(tl.int64) * TB + q_blocks[:, None]) * SB  # [QB, 1]
+    for j0 in range(0, SB, BLOCK_J):  # probabilities summed over each tile's rows
+        j = j0 + offs_j
+        vis = (((j * R)[None, :] <= m[:, None] + shift) & (j * R < valid_cols)[None, :]
+               & row_ok[:, None])
+        x = tl.load(rows + j[None, :], mask=vis, other=float("-inf"))
+        p = tl.where(vis, tl.exp2(x - row_lse[:, None]), 0.0)
+        sums = tl.sum(tl.reshape(p, [QB, R, BLOCK_J]), 1)  # [QB, BLOCK_J]
+        tl.store(out + j[None, :], sums, mask=(q_blocks < TB)[:, None] & (j < SB)[None, :])
 
 
 def check_supported(q) -> None:
@@ -153,6 +237,18 @@ def check_supported(q) -> None:
                                   f"supported by the Triton XAttention estimate")
 
 
+@functools.cache
+def _tile_table(num_row_tiles: int, cols: int, block_r: int, block_c: int) -> np.ndarray:
+    """`[num_tiles, 2]` int32 (row tile i counted from the last valid row, column tile j): the
+    tiles some lengths `<= (T, S)` can reach. Row tile i's last row is `rows - 1 - i·block_r`
+    with `rows = ceil(q_len / st)`; it sees columns `<= rows - 1 - i·block_r + ceil((kv_len -
+    q_len) / st) <= ceil(kv_len / st) - i·block_r` (ceilings add up to one more than their sum's)
+    and `< ceil(kv_len / st) <= cols`."""
+    pairs = [(i, j) for i in range(num_row_tiles)
+             for j in range(_cdiv(max(0, min(cols, cols - i * block_r + 1)), block_c))]
+    return np.asarray(pairs, np.int32).reshape(-1, 2)
+
+
 @functools.partial(jax.jit, static_argnames=("block_size", "stride", "config"))
 def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config):
     """`[B, N, Tb, Sb]` f32 block masses, as `reference.xattn_estimate`'s first output."""
@@ -160,26 +256,42 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
     s, kh = k.shape[1], k.shape[2]
     q_len, kv_len = _lengths(q_lengths, t, b), _lengths(kv_lengths, s, b)
     r = block_size // stride
-    block_r, block_c = max(config.block_r, r), max(config.block_c, r)
     tb, sb = _cdiv(t, block_size), _cdiv(s, block_size)
-    num_m = triton.cdiv(tb * r, block_r)
-    scale_log2 = LOG2E / math.sqrt(h) / stride
-    # norm may be traced: fold it into q (scores are linear in q).
-    q = (q.astype(jnp.float32) / norm).astype(q.dtype)
-    return triton_call(
-        q, k, q_len, kv_len, _cdiv(kv_len - q_len, stride), _cdiv(q_len, stride),
-        _cdiv(kv_len, stride),
-        kernel=_block_sums_kernel,
-        out_shape=jax.ShapeDtypeStruct((b, n, tb, sb), jnp.float32),
-        grid=(num_m * b * n,),
-        zeroed_outputs=(0,),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        SCALE_LOG2=scale_log2, B=b, T=t, S=s, K=kh, G=n // kh, H=h, ST=stride, R=r, TB=tb,
-        SB=sb, NUM_M=num_m, BLOCK_R=block_r, BLOCK_C=block_c,
-        BLOCK_H=max(16, triton.next_power_of_2(h)),
-        PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
-    )
+    block_h = max(16, triton.next_power_of_2(h))
+    block_r, block_c = config.block_r, max(config.block_c, r)
+    block_k = min(config.block_k, stride * block_h)
+    tiles = _tile_table(_cdiv(_cdiv(t, stride), block_r), _cdiv(s, stride), block_r, block_c)
+    geometry = (_cdiv(kv_len - q_len, stride), _cdiv(q_len, stride), _cdiv(kv_len, stride))
+    scale = jnp.reshape(LOG2E / math.sqrt(h) / stride / jnp.asarray(norm, jnp.float32), (1,))
+    qb = max(1, min(triton.next_power_of_2(tb), _FIXUP_ROWS // r))  # query tiles per program
+    pairs_per_launch = max(1, min(b * n, config.scratch_bytes // (tb * r * sb * 4)))
+    parts = []
+    for bn0 in range(0, b * n, pairs_per_launch):
+        count = min(pairs_per_launch, b * n - bn0)
+        first = jnp.full((1,), bn0, jnp.int32)
+        lse = triton_call(
+            q, k, q_len, kv_len, *geometry, jnp.asarray(tiles), scale, first,
+            kernel=_tile_lse_kernel,
+            out_shape=jax.ShapeDtypeStruct((count, tb * r, sb), jnp.float32),
+            grid=(tiles.shape[0], count),
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            B=b, T=t, S=s, K=kh, G=n // kh, H=h, ST=stride, R=r, RT=tb * r, SB=sb,
+            BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_K=block_k, BLOCK_H=block_h,
+            PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+        )
+        parts.append(triton_call(
+            lse, *geometry, first,
+            kernel=_block_sums_kernel,
+            out_shape=jax.ShapeDtypeStruct((count, tb, sb), jnp.float32),
+            grid=(_cdiv(tb, qb), count),
+            num_warps=4,
+            num_stages=1,
+            N=n, R=r, RT=tb * r, TB=tb, SB=sb, QB=qb,
+            BLOCK_J=min(triton.next_power_of_2(sb), max(16, _FIXUP_ELEMENTS // (qb * r))),
+        ))
+    sums = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return sums.reshape(b, n, tb, sb)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "stride", "config"))
@@ -200,8 +312,8 @@ def _estimate(q, k, threshold, norm, q_lengths, kv_lengths, *, block_size, strid
 
 def xattn_estimate(q, k, *, block_size=128, stride=16, threshold=0.9, norm=1.0, q_lengths=None,
                    kv_lengths=None, config: Config | None = None):
-    """XAttention estimate through the kernel; arguments as `attn.xattention.xattn_estimate`
-    (validated there; `chunk_size` does not apply: the kernel needs no chunking).
+    """XAttention estimate through the kernels; arguments as `attn.xattention.xattn_estimate`
+    (validated there; `chunk_size` does not apply: `config.scratch_bytes` bounds memory).
 
     Returns:
       `(block_sums [B, N, Tb, Sb] float32, block_mask [B, N, Tb, Sb] bool)`.
