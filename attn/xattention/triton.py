@@ -9,19 +9,20 @@ of one query head, the tiles listed in a static table that holds only the causal
 ones, so every program does the same work and causal skipping costs nothing. The program walks
 the reduced feature axis `st·H` in `BLOCK_K` slices (a slice is part of one stride's `H`
 features, or several whole strides), the q rows gathered at token stride `st`, one tensor-core
-dot per slice. Row tiles are anchored at the last valid reduced row of the request, so with
-`kv_len - q_len` unknown until run time the tile table is still tight: row tile `i` (from the
-end) reaches at most `ceil(S/st) - i·BLOCK_R + 1` columns.
+dot per slice. Row tiles are anchored at the last valid reduced row of the request, so the
+table stays nearly tight with the lengths unknown until run time: row tile `i` (from the end)
+reaches at most `ceil(S/st) - i·BLOCK_R + 1` columns (the `+ 1` when both `q_len` and
+`kv_len - q_len` are off the stride grid); a listed tile a request does not reach exits at once.
 
 A program cannot finish a row's softmax (it sees one column tile), so instead of a second GEMM
 pass it stores, per reduced row `m` and key block `j` of its tile, the base-2 log-sum-exp of the
 row's scaled scores over the block's visible columns (`-inf` when none): a `[B, N, Tb·R, Sb]`
-f32 scratch with `R = block_size / st`. The second kernel, one program per query tile, combines
-those into each row's log-sum-exp and writes `block_sums[b, n, r, j] = Σ_{m in tile r}
+f32 scratch with `R = block_size / st`. The second kernel (a few query tiles per program)
+combines those into each row's log-sum-exp and writes `block_sums[b, n, r, j] = Σ_{m in tile r}
 2^(lse_block[m, j] - lse_row[m])`, every entry (0 past the diagonal). Work: one pass of the
-causal reduced GEMM (the first version recomputed it for a second softmax pass) plus a read of
-the scratch (`R`x the size of `block_sums`); the scratch is bounded by `Config.scratch_bytes`,
-beyond which the (request, head) pairs run in several launches.
+causal reduced GEMM (a second softmax pass would recompute it) plus a write and a read of the
+scratch (`R`x the size of `block_sums`: 64 MiB at S = 32K, N = 32, st 16); the scratch is bounded
+by `Config.scratch_bytes`, beyond which the (request, head) pairs run in several launches.
 
 Visibility in reduced coordinates (as the reference): column `c` of row `m` counts iff
 `c <= m + ceil((kv_len - q_len) / st)` and `c < ceil(kv_len / st)`; rows `m >= ceil(q_len / st)`
@@ -51,6 +52,7 @@ from attn.xattention import reference
 
 LOG2E = math.log2(math.e)
 _MAX_HEAD_DIM = 256
+_MAX_GRID_Y = 65535  # CUDA's limit on the (request, head) grid axis
 _FIXUP_ROWS = 64  # reduced rows per block-sum program (at least one query tile's R)
 _FIXUP_ELEMENTS = 4096  # scratch entries a block-sum program holds per step
 
@@ -64,11 +66,11 @@ class Config:
     a K loop of `block_k`-feature slices of the `stride·H` reduced features (`block_k` is capped
     at `stride·H`), `num_stages` slices in flight. Defaults for Hopper bf16 at H = 128, stride
     16: 128 x 128 tiles (64 FLOP per byte of q/k tile traffic; the operands are re-read from L2
-    per tile as in any GEMM), 64-feature slices, 8 warps (two warpgroups of 64 rows), 3 stages
-    (96 KiB of shared memory). Not timed on a GPU yet: sweep `block_r, block_c` in {64, 128}
-    (and 256 x 128), `block_k` in {32, 64, 128}, `num_warps` in {4, 8}, `num_stages` in {2, 3,
-    4}. `scratch_bytes` bounds the per-(row, key block) scratch of one launch; more (request,
-    head) pairs than fit run in further launches.
+    per tile as in any GEMM), 64-feature slices, 8 warps (two warpgroups of 64 rows), 3 stages:
+    ptxas for sm_90a gives 116 registers, no spills, 96 KiB of shared memory, so two programs
+    fit an SM. Not timed on a GPU yet; `tests/attn/test_xattention_triton.py: SWEEP` lists the
+    shapes to sweep (all compile without spills). `scratch_bytes` bounds the per-(row, key
+    block) scratch of one launch; more (request, head) pairs than fit run in further launches.
     """
 
     block_r: int = 128
@@ -97,7 +99,6 @@ def _tile_lse_kernel(
     scale_ptr,  # [1] f32 log2(e) / sqrt(H) / st / norm
     bn0_ptr,  # [1] int32 first flat (request, head) pair of this launch
     lse_ptr,  # [BN, RT, SB] f32 scratch: log2-sum-exp2 per (reduced row, key block)
-    B: tl.constexpr,
     T: tl.constexpr,
     S: tl.constexpr,
     K: tl.constexpr,
@@ -264,7 +265,7 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
     geometry = (_cdiv(kv_len - q_len, stride), _cdiv(q_len, stride), _cdiv(kv_len, stride))
     scale = jnp.reshape(LOG2E / math.sqrt(h) / stride / jnp.asarray(norm, jnp.float32), (1,))
     qb = max(1, min(triton.next_power_of_2(tb), _FIXUP_ROWS // r))  # query tiles per program
-    pairs_per_launch = max(1, min(b * n, config.scratch_bytes // (tb * r * sb * 4)))
+    pairs_per_launch = max(1, min(b * n, _MAX_GRID_Y, config.scratch_bytes // (tb * r * sb * 4)))
     parts = []
     for bn0 in range(0, b * n, pairs_per_launch):
         count = min(pairs_per_launch, b * n - bn0)
@@ -276,7 +277,7 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
             grid=(tiles.shape[0], count),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
-            B=b, T=t, S=s, K=kh, G=n // kh, H=h, ST=stride, R=r, RT=tb * r, SB=sb,
+            T=t, S=s, K=kh, G=n // kh, H=h, ST=stride, R=r, RT=tb * r, SB=sb,
             BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_K=block_k, BLOCK_H=block_h,
             PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         )
@@ -288,7 +289,7 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
             num_warps=4,
             num_stages=1,
             N=n, R=r, RT=tb * r, TB=tb, SB=sb, QB=qb,
-            BLOCK_J=min(triton.next_power_of_2(sb), max(16, _FIXUP_ELEMENTS // (qb * r))),
+            BLOCK_J=max(16, min(triton.next_power_of_2(sb), _FIXUP_ELEMENTS // (qb * r))),
         ))
     sums = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     return sums.reshape(b, n, tb, sb)
