@@ -118,6 +118,24 @@ def test_tile_table_covers_every_visible_score(t, s, stride, block_r, block_c):
     assert len(listed) - len(needed(t, s)) <= num_row_tiles
 
 
+def test_length_one_and_empty_requests_batch_invariant():
+    """Length-1 queries, empty requests (q or kv length 0: zero mass) and G7 in one batch; a
+    request alone gives bitwise its rows of the batch (no atomics: programs are independent)."""
+    q, k, lens = _problem(rng(), 4, 20, 40, 7, 1, 16, [1, 0, 20, 13], [1, 40, 0, 40])
+    opts = dict(block_size=16, stride=4, threshold=0.9, config=C(block_r=16, block_c=16))
+    sums, mask = kernel.xattn_estimate(q, k, **opts, **lens)
+    exp_sums, exp_mask = xattn_estimate(_clean(q), _clean(k), implementation="xla",
+                                        block_size=16, stride=4, threshold=0.9, **lens)
+    assert_close(sums, exp_sums, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(mask), np.asarray(exp_mask))
+    np.testing.assert_allclose(np.asarray(sums).sum(axis=(2, 3)),  # zeros exactly
+                               np.asarray([[1.0] * 7, [0.0] * 7, [0.0] * 7, [4.0] * 7]),
+                               rtol=1e-5, atol=0)
+    one, _ = kernel.xattn_estimate(q[3:], k[3:], q_lengths=lens["q_lengths"][3:],
+                                   kv_lengths=lens["kv_lengths"][3:], **opts)
+    np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(sums[3]))
+
+
 def test_bf16_and_public_dispatch(monkeypatch):
     gen = rng()
     q, k, _ = _problem(gen, 1, 96, 96, 4, 2, 32, None, None, dtype=BF16)
