@@ -175,9 +175,11 @@ def sweep(args, rng) -> None:
         q = jax.random.normal(jax.random.fold_in(key, g), (b, kh * g, h), jnp.bfloat16)
         for fp, (kp, vp, kss, vss) in (("bf16", (k_pages, v_pages, None, None)),
                                        ("fp8", (kq, vq, ks, vs))):
-            for bn, warps, stages, splits in args.configs:
+            default = paged_triton.default_config(b, kh, s, fp8=kss is not None)
+            for bn, warps, stages, splits, *tiles in args.configs:
                 cfg = paged_triton.Config(block_n=bn, num_warps=warps, num_stages=stages,
-                                          num_splits=splits)
+                                          num_splits=splits or default.num_splits,
+                                          page_tiles=bool(tiles[0]) if tiles else True)
                 fn = jax.jit(functools.partial(paged_triton.paged_decode, scale=h**-0.5,
                                                window=full, sinks=full, config=cfg))
                 try:
@@ -188,7 +190,8 @@ def sweep(args, rng) -> None:
                     print(f"G{g} {fp} {cfg}: {str(e).splitlines()[0][:80]}")
                     continue
                 read = kv_bytes / (2 if fp == "fp8" else 1)
-                print(f"G{g:<3} {fp:5} n{bn:<4} w{warps} s{stages} j{splits}  {ms:7.4f} ms "
+                print(f"G{g:<3} {fp:5} n{bn:<4} w{warps} s{stages} j{cfg.num_splits} "
+                      f"{'tiles' if cfg.page_tiles else 'gather'} {ms:7.4f} ms "
                       f"{read / ms / 1e9:6.3f} TB/s")
 
 
@@ -211,7 +214,8 @@ def main(argv=None):
     parser.add_argument("--sweep", action="store_true", help="time launch configs, write nothing")
     parser.add_argument("--configs", default="64-4-2-2,128-4-2-2,128-4-3-2,128-4-2-4",
                         type=lambda s: [tuple(int(x) for x in c.split("-")) for c in s.split(",")],
-                        help="sweep configs block_n-warps-stages-splits, comma separated")
+                        help="sweep configs block_n-warps-stages-splits[-page_tiles], comma "
+                        "separated (splits 0: default_config's)")
     parser.add_argument("--out", default="benchmarks")
     parser.add_argument("--only", default="paged,mla,gdn",
                         type=lambda s: set(s.split(",")), help="row groups to run")
