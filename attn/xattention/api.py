@@ -63,8 +63,10 @@ def xattn_estimate(
         next power of two of S, as the original.
       q_lengths: `[B]` int32 valid queries per request (default T).
       kv_lengths: `[B]` int32 valid keys per request (default S).
-      implementation: `"xla"`, `"triton"` (scores, softmax and block sums in one kernel, no
-        chunking; the selection in XLA; not differentiable) or `"auto"` (the kernel on a GPU).
+      implementation: `"xla"`, `"triton"` (one causal GEMM pass storing partial
+        log-sum-exps per key block, then a small kernel combining them into block sums; scratch
+        capped by `Config.scratch_bytes`; the selection in XLA; not differentiable) or `"auto"`
+        (the kernel on a GPU).
 
     Returns:
       `(block_sums [B, N, Tb, Sb] float32, block_mask [B, N, Tb, Sb] bool)`, `Tb = ceil(T /
