@@ -20,9 +20,12 @@ Writes `<out>/sparse_prefill.json` and `.md` (`--smoke`: `sparse_prefill_smoke.*
   (the diagonal and the sink always kept), density measured on the effective mask. Anchor: our
   dense Triton flash (causal). Goal (PERF.md): `ms <= 1.15 * density * anchor_ms`, i.e. the
   speed-up approaches `1 / density`.
-- `xattn_estimate`: the Triton XAttention estimate (stride 16) at `--sparse-seq`; anchor our dense
-  flash. Goal (PERF.md: estimation <= 20% of the total at ~10% density): estimate time <=
-  `0.2 * 0.1 * dense / 0.8`. TFLOP/s counted on the two passes of the causal reduced GEMM.
+- `xattn_estimate`: the Triton XAttention estimate (stride 16, block sums + the XLA selection) at
+  `--sparse-seq`; anchor our dense flash. TFLOP/s counted on the one causal reduced GEMM pass
+  (`2 * N * H * S^2 / 2 / stride`). Goal (PERF.md: estimation <= 20% of the total at ~10%
+  density): when the run also has a `block_sparse_prefill` row at density <= 0.15,
+  `fraction_of_total = est / (est + sparse)` is set from it and `meets_goal = fraction <= 0.2`;
+  otherwise the proxy `est <= 0.2 * 0.1 * dense / 0.8`.
 
 The ceiling of every row is a bf16 matmul measured in the same process
 (`experiments.bench_prefill.matmul_tflops`).
@@ -177,13 +180,26 @@ def estimate_rows(args, ceiling: float) -> list[dict]:
     anchor_ms = _time(flash, q, k, v)
     est = jax.jit(lambda q, k: xattn_triton.xattn_estimate(q, k, block_size=bs, stride=stride))
     ms = _time(est, q, k)
-    flops = 2 * 2 * n * h * s * s / 2 / stride  # two passes of the causal reduced GEMM
+    flops = 2 * n * h * s * s / 2 / stride  # one pass of the causal reduced GEMM
     return [_bench.row(
         kernel="xattn_estimate", case=f"B1-S{s}-N{n}-K{kh}-H{h}-bs{bs}-st{stride}-bf16",
         ms=ms, achieved=flops / ms / 1e9, unit="TFLOP/s", ceiling=ceiling,
         anchor="our dense Triton flash (causal)", anchor_ms=anchor_ms,
         goal="ms <= 0.2 * 0.1 * anchor_ms / 0.8 (<= 20% of a 10%-density sparse prefill)",
         meets_goal=ms <= 0.2 * 0.1 * anchor_ms / 0.8)]
+
+
+def _estimate_share(rows: list[dict]) -> None:
+    """Judge the estimate by its share of estimate + sparse prefill at ~10% density, in place."""
+    sparse = [r for r in rows if r["kernel"] == "block_sparse_prefill"
+              and r.get("density", 1.0) <= 0.15]
+    for r in rows:
+        if r["kernel"] == "xattn_estimate" and sparse:
+            total = r["ms"] + sparse[0]["ms"]
+            r["sparse_ms"] = sparse[0]["ms"]
+            r["fraction_of_total"] = round(r["ms"] / total, 4)
+            r["goal"] = f"est / (est + sparse at density {sparse[0]['density']}) <= 0.2"
+            r["meets_goal"] = r["fraction_of_total"] <= 0.2
 
 
 ROWS = {"paged_prefill": paged_rows, "block_sparse_prefill": sparse_rows,
@@ -230,6 +246,7 @@ def main(argv=None):
             rows += ROWS[group](args, ceiling)
         except Exception:  # one broken row group must not lose the others
             log.exception("row group %s failed", group)
+    _estimate_share(rows)
     md = _bench.write(name, rows, extra={"matmul_tflops": round(ceiling, 2)}, out_dir=args.out)
     _bench.print_table(rows)
     print(f"wrote {md}")
