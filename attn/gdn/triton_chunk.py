@@ -53,15 +53,17 @@ class Config:
     """Launch configuration: value features per program of the state and output kernels, warps
     of those two and of the intra-chunk kernel, software pipeline stages.
 
-    Untimed: no GPU sweep has run. Chosen from ptxas's register report for sm_90a at H = Hv =
-    128, bf16: with 4 warps all three kernels spill (state kernel 1.5 KB); with 8 warps the state
-    kernel spills 16 B, the output kernel nothing, the intra-chunk kernel 216 B.
+    One H100 sweep (benchmarks/NOTES.md, session 3; Nk16 Nv32 H = Hv = 128, bf16, whole op):
+    4 intra-chunk warps 4.52 ms at B1 T32K and 4.61 ms at B8 T4K against 5.27 / 5.44 ms with 8
+    (despite ptxas reporting spills with 4); the other fields are within ~10% of the best single
+    change (state tile 16 with 4 warps 4.61 ms at B1; 64 4.81 ms at B8) and stay as ptxas chose
+    them: with 8 warps the state kernel spills 16 B, the output kernel nothing.
     """
 
     block_hv_state: int = 32
     block_hv_out: int = 64
     num_warps: int = 8
-    intra_warps: int = 8
+    intra_warps: int = 4
     num_stages: int = 2
 
     def __post_init__(self):
