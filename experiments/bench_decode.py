@@ -217,7 +217,7 @@ def main(argv=None):
                         help="sweep configs block_n-warps-stages-splits[-page_tiles], comma "
                         "separated (splits 0: default_config's)")
     parser.add_argument("--out", default="benchmarks")
-    parser.add_argument("--only", default="paged,mla,gdn",
+    parser.add_argument("--only", default="paged,mla,gdn,kv_write",
                         type=lambda s: set(s.split(",")), help="row groups to run")
     args = parser.parse_args(argv)
     if args.quick:
@@ -239,6 +239,17 @@ def main(argv=None):
         from experiments.bench_gdn_rows import gdn_rows
 
         rows += gdn_rows(bw)
+    if "kv_write" in args.only:
+        from experiments.bench_kv_write_rows import kv_write_rows
+
+        g4 = {("fp8" if r["kernel"] == "paged_decode_fp8" else "bf16"): r["ms"] for r in rows
+              if r["kernel"] in ("paged_decode", "paged_decode_fp8") and "-G4-" in r["case"]
+              and "xla" not in r["case"]}
+        shape = dict(batch=args.batch, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                     page=args.page, seq=args.seq, sub_block=args.sub_block)
+        if args.quick:
+            shape.update(batch=2, seq=256, page=16)
+        rows += kv_write_rows(bw, **shape, chunk=min(2048, shape["seq"] // 2), decode_ms=g4)
     md = _bench.write("decode", rows, extra={"copy_bandwidth_tbs": bw}, out_dir=args.out)
     _bench.print_table(rows)
     print(f"wrote {md}")
