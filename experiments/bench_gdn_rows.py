@@ -15,7 +15,7 @@
 Timing: each jitted call runs `STEPS` unrolled decode steps, feeding each step's output back as
 the next step's input (o → v, y → x) so no step is dead code, and threads the donated pool from
 call to call: what is timed is the in-place path. Reported `ms` is per step. fla is timed with
-CUDA events over back-to-back calls.
+CUDA events over back-to-back calls (`_bench.time_torch_ms`).
 
     python -m experiments.bench_gdn_rows            # rows only, writes benchmarks/gdn.{json,md}
     python -m experiments.bench_gdn_rows --sweep    # time launch configs of our kernels
@@ -124,18 +124,7 @@ def _fla_ms(q, k, v, g, beta, h0, *, iters: int = 20, trials: int = 5):
             t["q"], t["k"], t["v"], g=t["g"], beta=t["beta"], initial_state=t["h0"],
             output_final_state=True, use_qk_l2norm_in_kernel=True)
     try:
-        for _ in range(3):
-            out = call()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(trials):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                out = call()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / iters)
+        ms, out = _bench.time_torch_ms(call, iters=iters, trials=trials)
     except Exception as e:  # an anchor that fails is logged, not fatal
         log.warning("fla anchor failed: %s", str(e).splitlines()[0])
         return None, None
@@ -143,7 +132,7 @@ def _fla_ms(q, k, v, g, beta, h0, *, iters: int = 20, trials: int = 5):
     t.clear()
     del out
     torch.cuda.empty_cache()
-    return statistics.median(times), (o, final)
+    return ms, (o, final)
 
 
 def gdn_decode_row(bw: dict, rng, *, shape: dict | None = None, anchors: bool = True,

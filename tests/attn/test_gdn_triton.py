@@ -369,7 +369,7 @@ def test_bench_gdn_prefill_smoke_runs_on_cpu(tmp_path):
     from experiments import bench_gdn_prefill
 
     rows = bench_gdn_prefill.main(["--smoke", "--out", str(tmp_path)])
-    assert {r["kernel"] for r in rows} == {"causal_conv1d_prefill", "gdn_chunked_prefill"}
+    assert {r["kernel"] for r in rows} == {"causal_conv1d", "gdn_chunk_prefill"}
     assert (tmp_path / "gdn_prefill_smoke.json").exists()
     for r in rows:
         err = r.get("rel_err_y_vs_xla", r.get("rel_err_o_vs_xla"))
