@@ -254,11 +254,14 @@ class Context:
       config: a launch config under test (`--config` of bench_prefill), or None.
       matmul_n: side of the ceiling matmul.
       copy_bytes: bytes of the ceiling copy.
+      budget_s: about how long the timed calls of one figure take (`time_ms(budget_s=)`): only
+        calls over `budget_s / 50` run fewer than 5 trials of 10.
       memo: figures measured once per process, keyed by the caller.
     """
 
     smoke: bool = False
     config: Any = None
+    budget_s: float = 0.5
     matmul_n: int = 8192
     copy_bytes: int = 4 << 30
     memo: dict = dataclasses.field(default_factory=dict)
@@ -291,11 +294,11 @@ class Context:
             self.memo[key] = compute()
         return self.memo[key]
 
-    def time(self, fn: Callable, *args, budget_s: float = 1.0, **knobs) -> float:
+    def time(self, fn: Callable, *args, **knobs) -> float:
         """`time_ms` with this context's knobs: one call in smoke mode, else `budget_s`."""
         if self.smoke:
             return time_ms(fn, *args, iters=1, trials=1, warmup=1)
-        return time_ms(fn, *args, budget_s=budget_s, **knobs)
+        return time_ms(fn, *args, **({"budget_s": self.budget_s} | knobs))
 
     def time_torch(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         """`time_torch_ms` with this context's knobs."""

@@ -39,7 +39,8 @@ B1, N32/K8, H = Hv = 128, bf16 unless said:
 Ceilings (bf16 8192^3 matmul; copy bandwidth for the conv rows) are measured once, in this
 process, on first use. cuDNN, tokamax and fla are skipped, with a logged reason, when there is no
 GPU or they fail; the row then records None. Long calls are timed with fewer repetitions
-(`_bench.time_ms(budget_s=...)`), so S128K costs about a second per figure after its compile.
+(`--budget-s`, 0.5 s of timed calls per figure; at least 3 trials), so an S128K figure costs about
+a second after its compile.
 `--sweep` times our forward under several launch configs at S = `--seqs[0]` (causal) and at
 `--sweep-window-seq` with the window; `--sweep-bwd` times forward + backward under several
 backward tile configs; both write nothing.
@@ -449,6 +450,8 @@ def parse_args(argv=None, *, rows=None):
                         help="backward configs BWD_BLOCK_M-BWD_BLOCK_N-warps-stages")
     parser.add_argument("--sweep-window-seq", type=int, default=32768,
                         help="sequence length of the window column of the sweep")
+    parser.add_argument("--budget-s", type=float, default=0.5,
+                        help="seconds of timed calls per figure (long calls run fewer times)")
     parser.add_argument("--out", default="benchmarks")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -468,7 +471,7 @@ def main(argv=None, *, rows=None) -> list[dict] | None:
     args = parse_args(argv, rows=rows)
     logging.basicConfig(level=logging.INFO)
     log.info("device: %s", _bench.device_info())
-    ctx = _bench.Context(smoke=args.smoke, config=args.config)
+    ctx = _bench.Context(smoke=args.smoke, config=args.config, budget_s=args.budget_s)
     if args.sweep_bwd:
         return sweep_backward(args, ctx)
     if args.sweep:
