@@ -8,7 +8,8 @@ group size, uniform tables) against the deprecated JAX Pallas `paged_attention` 
 `decode_attention`; `paged_decode_headwise` (per-head tables, all full and half streaming) against
 our own uniform-table time; `paged_decode_fp8` against our bf16 time; the XLA reference once;
 `mla_decode` (experiments/bench_mla_rows.py) and `gdn_decode` / `causal_conv1d_update`
-(experiments/bench_gdn_rows.py) with their anchors.
+(experiments/bench_gdn_rows.py) with their anchors; `kv_write` (experiments/bench_kv_write_rows.py)
+and `engine_decode` (experiments/bench_engine_rows.py; `--engine-batch`, `--engine-seq`).
 """
 
 from __future__ import annotations
@@ -217,7 +218,10 @@ def main(argv=None):
                         help="sweep configs block_n-warps-stages-splits[-page_tiles], comma "
                         "separated (splits 0: default_config's)")
     parser.add_argument("--out", default="benchmarks")
-    parser.add_argument("--only", default="paged,mla,gdn,kv_write",
+    parser.add_argument("--engine-batch", type=int, default=64, help="engine rows: batch rows")
+    parser.add_argument("--engine-seq", type=int, default=8192,
+                        help="engine rows: cached tokens per row (decode token included)")
+    parser.add_argument("--only", default="paged,mla,gdn,kv_write,engine",
                         type=lambda s: set(s.split(",")), help="row groups to run")
     args = parser.parse_args(argv)
     if args.quick:
@@ -226,7 +230,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     if args.sweep:
         return sweep(args, rng)
-    bw = _bench.copy_bandwidth_tbs()
+    bw = _bench.copy_bandwidth_tbs(64 << 20 if args.quick else 4 << 30)
     log.info("copy bandwidth: %s", bw)
     rows = []
     if "paged" in args.only:
@@ -249,7 +253,18 @@ def main(argv=None):
                      page=args.page, seq=args.seq, sub_block=args.sub_block)
         if args.quick:
             shape.update(batch=2, seq=256, page=16)
+        if "bf16" not in g4:  # the paged rows did not run: measure the anchor here
+            from experiments.bench_engine_rows import paged_decode_ms
+
+            g4 = paged_decode_ms(**shape)
         rows += kv_write_rows(bw, **shape, chunk=min(2048, shape["seq"] // 2), decode_ms=g4)
+    if "engine" in args.only:
+        from experiments.bench_engine_rows import engine_rows
+
+        eb, es, ep = ((2, 256, 16) if args.quick
+                      else (args.engine_batch, args.engine_seq, args.page))
+        rows += engine_rows(bw, batch=eb, seq=es, page=ep, quick=args.quick,
+                            skip_xla=args.skip_xla)
     md = _bench.write("decode", rows, extra={"copy_bandwidth_tbs": bw}, out_dir=args.out)
     _bench.print_table(rows)
     print(f"wrote {md}")

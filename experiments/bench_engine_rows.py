@@ -1,0 +1,327 @@
+"""The engine's decode step on a Qwen3-0.6B-shaped random model, timed as `Engine.step` runs it.
+
+Rows (`bench_decode --only engine`; `--engine-batch`, `--engine-seq`, `--page` set the shape):
+
+- `engine_decode`: one decode step of `models.engine._jit_step` (the jitted function
+  `Engine.step` calls, `decode=True`, `implementation="auto"`: the Triton paged decode on a GPU)
+  for a Qwen3-0.6B-shaped model with random bf16 weights (`QWEN3_0_6B`: 28 layers, D1024, N16 /
+  K8, H128, I3072, V151936, tied embeddings, q/k RMSNorm, RoPE theta 1e6), `B` rows each decoding
+  one token over `S` tokens in the cache (the decode token included: it sits at `S - 1`, the
+  `lengths` convention of the paged decode rows). Nothing is prefilled: the pools are filled with
+  random pages and the block tables / allocator are set as if `S` tokens were cached
+  (`kv.alloc_batch` of `ceil(S / P)` pages per row and head), so the step's own allocation finds
+  nothing to do; every call rewrites position `S - 1`. The step donates its state
+  (`donate_argnums=2`), and the timing loop carries it from call to call, so the pools (~60 GB at
+  B64 / S8K: 28 layers x 64 rows x 8K tokens x K and V x 8 heads x 128 x 2 bytes) exist once.
+  Bytes counted: every weight once (all `nnx.split` leaves; the tied embedding is the lm head,
+  read whole for the logits) plus every layer's K and V of `S` tokens for `B` rows (fp8: plus
+  their scales). Not counted (< 0.1%): the new token's K / V writes, tables, activations.
+  Ceiling: the copy bandwidth measured in the process. Goal (PERF.md): `fraction_of_ceiling >=
+  0.6` and no recompilation in the timed calls (`recompiles`: traces of the decode step during
+  them). Anchor: the same step with `implementation="xla"` (the gather-everything reference) at
+  the same `S` if it fits in memory, else the largest of `S / 2`, `S / 4` that does (its row
+  says which, `anchor_ms` then stays empty since the shapes differ; an OOM is logged and recorded
+  in `xla_error`). `rel_err_vs_xla`: the first step's logits against the XLA step's (same state).
+  `sample_ms`: the step's sampling alone (an argsort over `[B, V]`), for information.
+- `engine_decode_fp8`: the same step with `float8_e4m3fn` pages (the engine's `kv_dtype`; the
+  pools are the bf16 random pages quantised with `kv.fp8.quantize`, sub-blocks as the engine
+  makes them). Bytes: fp8 K / V plus their float32 scales. Goal as above; anchor: our bf16 step;
+  `rel_err_vs_bf16` of the first step's logits.
+- `engine_decode` `...-xla` row: the XLA anchor on its own (at the `S` it ran), `(anchor row)`.
+
+`paged_decode_ms` times our paged decode (G4, bf16 and fp8) at the `kv_write` rows' shape when
+the `paged` rows did not run in the same process, so that those rows
+(experiments/bench_kv_write_rows.py) always have their anchor.
+
+Smoke mode (`--quick`, e.g. on a CPU): `QUICK` (2 layers, D256, V4096, still N16 / K8 / H128), and
+on a CPU `implementation="triton"` so that the Triton kernels run through the interpreter, each
+timed once.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import kv
+from attn.paged_decode import paged_decode
+from experiments import _bench
+from models import engine as engine_mod
+from models.config import HFConfig
+from models.engine import Engine, EngineKV
+from models.families.qwen3 import Qwen3ForCausalLM, config_from_hf
+
+log = logging.getLogger("bench_engine")
+
+QWEN3_0_6B = dict(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+    tie_word_embeddings=True, max_position_embeddings=40960, attention_bias=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+QUICK = dict(QWEN3_0_6B, num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+             vocab_size=4096)
+
+
+def build_model(hf_config: dict, *, seed: int = 0) -> Qwen3ForCausalLM:
+    """A Qwen3 model with random bf16 weights from an HF-style config dict (no checkpoint)."""
+    cfg = config_from_hf(HFConfig(hf_config, source="bench_engine"))
+    return Qwen3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
+
+
+def _seq_name(s: int) -> str:
+    return f"S{s // 1024}K" if s % 1024 == 0 else f"S{s}"
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _random_pages(key, shape, sub_block):
+    """Random bf16 pages `shape`, or their e4m3 quantisation `(q, scales)` if `sub_block`."""
+    x = jax.random.normal(key, shape, jnp.bfloat16)
+    if sub_block is None:
+        return x, None
+    return kv.fp8.quantize(x, sub_block)
+
+
+def engine_state(engine: Engine, seq: int, *, seed: int = 0) -> EngineKV:
+    """Engine state `B` rows x `seq` cached tokens: random pages, tables and allocator as after
+    `seq` tokens per row (`ceil(seq / P)` pages per row and head, every row its own pages).
+
+    The pools have exactly the pages the rows hold (plus the null page). The engine itself only
+    supplies the layout (its own state is built with 2 pages per head and is not used).
+    """
+    b, p = engine.batch_slots, engine.page_size
+    pages_per_row = -(-seq // p)
+    num_pages = b * pages_per_row + 1
+    key = jax.random.key(seed)
+    pools = []
+    for i, pool in enumerate(engine.states.pools):
+        if not isinstance(pool, kv.PagePool):
+            raise ValueError(f"layer {i}: {type(pool).__name__}; only attention layers here")
+        shape = (pool.num_kv_heads, num_pages, pool.page_size, pool.head_dim)
+        k, ks = _random_pages(jax.random.fold_in(key, 2 * i), shape, pool.sub_block)
+        v, vs = _random_pages(jax.random.fold_in(key, 2 * i + 1), shape, pool.sub_block)
+        pools.append(kv.PagePool(k=k, v=v, k_scale=ks, v_scale=vs))
+    heads = len(engine.paged_layers) * engine.num_kv_heads
+    tables = kv.create_block_tables(batch_size=b, num_kv_heads=heads,
+                                    max_pages=engine.max_pages, page_size=p)
+    allocator = kv.create_allocator(num_kv_heads=heads, num_pages=num_pages)
+    lengths = jnp.full((b,), seq, jnp.int32)
+    allocator, tables, ok = jax.jit(kv.alloc_batch)(allocator, tables,
+                                                    kv.pages_needed(tables, lengths))
+    if not bool(ok):
+        raise RuntimeError(f"could not allocate {pages_per_row} pages x {b} rows of "
+                           f"{num_pages} pages per head")
+    # Distinct buffers for every small leaf: the step donates the whole state.
+    tables, allocator = jax.tree.map(lambda x: jnp.array(x, copy=True), (tables, allocator))
+    return EngineKV(pools, tables, allocator)
+
+
+def _step_inputs(engine: Engine, seq: int, vocab: int) -> tuple:
+    """The decode step's arguments after `states`: every row decodes one token at `seq - 1`."""
+    b, layers, heads = engine.batch_slots, engine.num_layers, engine.num_kv_heads
+    ids = jax.random.randint(jax.random.key(1), (b, 1), 0, vocab, jnp.int32)
+    zeros_blk = jnp.zeros((b, layers, heads), jnp.int32)
+    return (ids, jnp.full((b,), seq - 1, jnp.int32), jnp.ones((b,), jnp.int32), zeros_blk,
+            zeros_blk, jnp.zeros((b,), jnp.uint32), jnp.zeros((b,), jnp.float32),
+            jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32))
+
+
+def time_engine_step(model, *, batch: int, seq: int, page: int, implementation: str,
+                     kv_dtype=None, iters: int = 10, trials: int = 5,
+                     warmup: int = 2) -> dict:
+    """Median ms of the engine's jitted decode step at `B = batch`, `S = seq`, state carried.
+
+    Returns:
+      dict: `ms`, `first_call_s` (compile included), `recompiles` (decode-step traces during the
+      timed calls), `logits` (the first call's `[B, V]` float32, on the host), `weight_bytes`,
+      `kv_bytes` (K and V read, fp8 scales included), `sub_block` (fp8) or None.
+    """
+    engine = Engine(model, batch_slots=batch, max_len=seq, page_size=page, num_pages=2,
+                    kv_dtype=kv_dtype, implementation=implementation)
+    states = engine_state(engine, seq)
+    args = _step_inputs(engine, seq, model.cfg.vocab_size)
+    call = functools.partial(engine._step, engine._graphdef, engine._params, decode=True)
+
+    pool = states.pools[0]
+    itemsize = jnp.dtype(pool.k.dtype).itemsize
+    per_token = pool.num_kv_heads * (pool.head_dim + pool.value_head_dim) * itemsize
+    if pool.is_fp8:  # one float32 scale per head, sub-block, K and V
+        per_token += pool.num_kv_heads * 2 * 4 / pool.sub_block
+    kv_bytes = int(len(states.pools) * batch * seq * per_token)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine._params))
+
+    start = time.perf_counter()
+    out = call(states, *args)
+    states = out[2]
+    logits = np.asarray(out[1])
+    first_call_s = time.perf_counter() - start
+    for _ in range(warmup - 1):
+        out = call(states, *args)
+        states = out[2]
+    jax.block_until_ready(out)
+    traces = engine_mod.TRACES["decode"]
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = call(states, *args)
+            states = out[2]
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) * 1e3 / iters)
+    return {"ms": statistics.median(times), "first_call_s": first_call_s,
+            "recompiles": engine_mod.TRACES["decode"] - traces, "logits": logits,
+            "weight_bytes": int(weight_bytes), "kv_bytes": kv_bytes,
+            "sub_block": pool.sub_block}
+
+
+def _sample_ms(batch: int, vocab: int) -> float:
+    logits = jax.random.normal(jax.random.key(3), (batch, vocab), jnp.float32)
+    keys = jax.random.split(jax.random.key(4), batch)
+    zeros = jnp.zeros((batch,), jnp.float32)
+    fn = jax.jit(engine_mod.sample)
+    return _bench.time_ms(fn, logits, keys, zeros, jnp.zeros((batch,), jnp.int32),
+                          jnp.ones((batch,), jnp.float32))
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:300]
+
+
+def engine_rows(bw: dict, *, batch: int = 64, seq: int = 8192, page: int = 64,
+                quick: bool = False, skip_xla: bool = False) -> list[dict]:
+    """`engine_decode` (bf16, against the XLA step), `engine_decode_fp8` (against bf16) and the
+    XLA anchor row; see the module docstring. Failures are logged and recorded, never raised."""
+    on_gpu = jax.default_backend() == "gpu"
+    impl = "auto" if on_gpu else "triton"  # on a CPU: the Triton kernels in the interpreter
+    once = {} if on_gpu else dict(iters=1, trials=1, warmup=1)  # interpreted: seconds a call
+    hf = QUICK if quick else QWEN3_0_6B
+    name = "qwen3-tiny-L2" if quick else "qwen3-0.6b"
+    model = build_model(hf)
+    ceiling = bw["ceiling"]
+    case = f"{name}-B{batch}-{_seq_name(seq)}-P{page}"
+    goal = "fraction_of_ceiling >= 0.6 and 0 recompiles"
+    rows, results = [], {}
+
+    def measure(label, **kw):
+        try:
+            results[label] = time_engine_step(model, batch=batch, page=page, **kw)
+            r = results[label]
+            log.info("engine %s: %.3f ms (first call %.1f s)", label, r["ms"], r["first_call_s"])
+        except Exception as e:  # an OOM is a result too
+            log.warning("engine %s failed: %s", label, _first_line(e))
+            results[label] = {"error": _first_line(e)}
+        gc.collect()
+
+    measure("bf16", seq=seq, implementation=impl, **once)
+    measure("fp8", seq=seq, implementation=impl, kv_dtype=jnp.float8_e4m3fn, **once)
+    xla, xla_seq = {"error": "skipped (--skip-xla)"}, None
+    if not skip_xla:
+        for s in (seq, seq // 2, seq // 4):
+            if s < page:
+                break
+            measure(f"xla-{s}", seq=s, implementation="xla", iters=3, trials=3, warmup=1)
+            xla = results[f"xla-{s}"]
+            if "ms" in xla:
+                xla_seq = s
+                break
+
+    def floor_fields(r):
+        total = r["weight_bytes"] + r["kv_bytes"]
+        return total, {"weight_bytes": r["weight_bytes"], "kv_bytes": r["kv_bytes"],
+                       "floor_ms": round(total / ceiling / 1e9, 4),
+                       "recompiles": r["recompiles"], "first_call_s": round(r["first_call_s"], 2)}
+
+    bf16 = results["bf16"]
+    if "ms" in bf16:
+        total, extra = floor_fields(bf16)
+        same = xla_seq == seq
+        err = _bench.rel_err(bf16["logits"], xla["logits"]) if same else None
+        tbs = total / bf16["ms"] / 1e9
+        rows.append(_bench.row(
+            kernel="engine_decode", case=case + "-bf16", ms=bf16["ms"], achieved=tbs,
+            unit="TB/s", ceiling=ceiling,
+            anchor=(f"engine step implementation=xla at {_seq_name(xla_seq)}" if xla_seq
+                    else "engine step implementation=xla (did not run)"),
+            anchor_ms=xla["ms"] if same else None, goal=goal,
+            meets_goal=tbs / ceiling >= 0.6 and bf16["recompiles"] == 0,
+            implementation=impl, layers=hf["num_hidden_layers"], **extra,
+            xla_seq=xla_seq, xla_ms=None if xla_seq is None else round(xla["ms"], 4),
+            xla_error=xla.get("error"),
+            rel_err_vs_xla=None if err is None else round(err, 5),
+            sample_ms=round(_sample_ms(batch, hf["vocab_size"]), 4)))
+    else:
+        rows.append({"kernel": "engine_decode", "case": case + "-bf16", "goal": goal,
+                     "meets_goal": False, "error": bf16["error"]})
+
+    fp8 = results["fp8"]
+    if "ms" in fp8:
+        total, extra = floor_fields(fp8)
+        tbs = total / fp8["ms"] / 1e9
+        bf16_ok = "ms" in bf16
+        rows.append(_bench.row(
+            kernel="engine_decode_fp8", case=case + f"-fp8-sub{fp8['sub_block']}", ms=fp8["ms"],
+            achieved=tbs, unit="TB/s", ceiling=ceiling, anchor="ours engine step bf16",
+            anchor_ms=bf16["ms"] if bf16_ok else None, goal=goal,
+            meets_goal=tbs / ceiling >= 0.6 and fp8["recompiles"] == 0,
+            implementation=impl, **extra,
+            rel_err_vs_bf16=(round(_bench.rel_err(fp8["logits"], bf16["logits"]), 5)
+                             if bf16_ok else None)))
+    else:
+        rows.append({"kernel": "engine_decode_fp8", "case": case + "-fp8", "goal": goal,
+                     "meets_goal": False, "error": fp8["error"]})
+
+    if xla_seq is not None:
+        total, extra = floor_fields(xla)
+        tbs = total / xla["ms"] / 1e9
+        bf16_here = "ms" in bf16 and xla_seq == seq
+        rows.append(_bench.row(
+            kernel="engine_decode", case=f"{name}-B{batch}-{_seq_name(xla_seq)}-P{page}-bf16-xla",
+            ms=xla["ms"], achieved=tbs, unit="TB/s", ceiling=ceiling,
+            anchor="ours engine step bf16" if bf16_here else None,
+            anchor_ms=bf16["ms"] if bf16_here else None, goal="(anchor row)", meets_goal=None,
+            implementation="xla", **extra,
+            failed_at_seq=[s for s in (seq, seq // 2) if s > xla_seq] or None))
+    elif not skip_xla:
+        rows.append({"kernel": "engine_decode", "case": case + "-bf16-xla", "goal": "(anchor row)",
+                     "meets_goal": None, "error": xla.get("error")})
+    return rows
+
+
+def paged_decode_ms(*, batch: int, kv_heads: int, head_dim: int, page: int, seq: int,
+                    sub_block: int, group: int = 4) -> dict[str, float]:
+    """Our paged decode (G`group`, full heads, uniform tables) at this shape, bf16 and fp8:
+    `{"bf16": ms, "fp8": ms}` (the `kv_write` rows' anchor when the `paged` rows did not run).
+    On a CPU it runs the Triton kernel in the interpreter."""
+    on_gpu = jax.default_backend() == "gpu"
+    impl = "auto" if on_gpu else "triton"
+    once = {} if on_gpu else dict(iters=1, trials=1, warmup=1)  # interpreted: seconds a call
+    max_pages = -(-seq // page)
+    num_pages = batch * max_pages + 1
+    key = jax.random.key(5)
+    shape = (kv_heads, num_pages, page, head_dim)
+    k = jax.random.normal(key, shape, jnp.bfloat16)
+    v = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.bfloat16)
+    ids = 1 + np.arange(batch)[:, None] * max_pages + np.arange(max_pages)[None]
+    table = jnp.asarray(np.repeat(ids[:, None], kv_heads, axis=1), jnp.int32)
+    lengths = jnp.full((batch,), seq, jnp.int32)
+    q = jax.random.normal(jax.random.fold_in(key, 2), (batch, kv_heads * group, head_dim),
+                          jnp.bfloat16)
+
+    @jax.jit
+    def run(q, k, v, table, lengths, ks, vs):
+        return paged_decode(q, k, v, table, lengths, k_scales=ks, v_scales=vs,
+                            implementation=impl)[0]
+
+    out = {"bf16": _bench.time_ms(run, q, k, v, table, lengths, None, None, **once)}
+    kq, ks = kv.fp8.quantize(k, sub_block)
+    vq, vs = kv.fp8.quantize(v, sub_block)
+    del k, v
+    out["fp8"] = _bench.time_ms(run, q, kq, vq, table, lengths, ks, vs, **once)
+    return out
