@@ -213,7 +213,10 @@ def engine_rows(bw: dict, *, batch: int = 64, seq: int = 8192, page: int = 64,
         try:
             results[label] = time_engine_step(model, batch=batch, page=page, **kw)
             r = results[label]
-            log.info("engine %s: %.3f ms (first call %.1f s)", label, r["ms"], r["first_call_s"])
+            total = r["weight_bytes"] + r["kv_bytes"]
+            log.info("engine %s: %.3f ms, %.2f GB -> %.3f TB/s = %.3f of copy (first call %.1f s, "
+                     "%d recompiles)", label, r["ms"], total / 1e9, total / r["ms"] / 1e9,
+                     total / r["ms"] / 1e9 / ceiling, r["first_call_s"], r["recompiles"])
         except Exception as e:  # an OOM is a result too
             log.warning("engine %s failed: %s", label, _first_line(e))
             results[label] = {"error": _first_line(e)}
@@ -253,7 +256,7 @@ def engine_rows(bw: dict, *, batch: int = 64, seq: int = 8192, page: int = 64,
             meets_goal=tbs / ceiling >= 0.6 and bf16["recompiles"] == 0,
             implementation=impl, layers=hf["num_hidden_layers"], **extra,
             xla_seq=xla_seq, xla_ms=None if xla_seq is None else round(xla["ms"], 4),
-            xla_error=xla.get("error"),
+            xla_error=results.get(f"xla-{seq}", xla).get("error"),  # at the same S
             rel_err_vs_xla=None if err is None else round(err, 5),
             sample_ms=round(_sample_ms(batch, hf["vocab_size"]), 4)))
     else:
