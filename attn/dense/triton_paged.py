@@ -6,10 +6,13 @@ it reuses): one program owns `BLOCK_M` folded rows of one KV head of one batch r
 (query token, query head of that KV head's group) pair, so each K/V tile is read once for the
 whole group. It walks the key tiles some row sees — the sink tiles, the window's lower edge, the
 tiles every row sees whole, the causal diagonal — with an online softmax in base 2, fp32
-accumulators. A tile of `BLOCK_N` keys is gathered token by token through the table (a tile may
-span pages of any power-of-two size `P`; no dense copy of the cache is ever made). A -1 entry is
-read as the null page 0 and its tokens are masked (so are keys past `kv_lengths`), with their
-loads masked too: NaN in unowned pages never reaches an output. FP8 pages are dequantised in the
+accumulators. Key tiles are `BLOCK_N` positions aligned to `BLOCK_N`; when the page size `P` is a
+multiple of `BLOCK_N` (`Config.page_tiles`, the default) a tile lies in one page, so each step
+reads one table entry and loads K / V (and the tile's fp8 scales) as contiguous blocks. Otherwise
+(`BLOCK_N > P`, or `page_tiles=False`) a tile is gathered token by token through the table (a tile
+may span pages). No dense copy of the cache is ever made. A -1 entry is read as the null page 0
+and its tokens are masked (so are keys past `kv_lengths`), with their loads masked too: NaN in
+unowned pages never reaches an output. FP8 pages are dequantised in the
 kernel, tile by tile (`fp8.astype(f32) * scale` per token, then q's dtype for the tensor cores).
 
 Window and sinks are per (batch row, KV head), so a per-request policy (streaming heads of one
@@ -49,6 +52,9 @@ class Config:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    # Where a key tile lies in one page (P % block_n == 0), read its page id once and load K / V
+    # as contiguous [block_n, H] blocks; False (or smaller pages) gathers token by token.
+    page_tiles: bool = True
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_m", "block_n"))
@@ -93,28 +99,51 @@ def _paged_visit(
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
+    PAGE_TILES: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
     offs_hv = tl.arange(0, BLOCK_HV)
     mask_h = offs_h < H
     mask_hv = offs_hv < HV
+    # Page tiles: element offsets inside one contiguous [BLOCK_N, H] block, the same every tile
+    # (int32; the tile's int64 base is a scalar), so a step costs one table read and one add.
+    k_offs = offs_n[:, None] * H + offs_h[None, :]  # [BLOCK_N, BLOCK_H]
+    v_offs = offs_n[:, None] * HV + offs_hv[None, :]  # [BLOCK_N, BLOCK_HV]
     for start in range(lo, hi, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
         cols = start + offs_n  # [BLOCK_N] key positions
         in_kv = cols < kv_len
-        page = tl.load(table_row + cols // P, mask=in_kv, other=-1)
-        ok = in_kv & (page >= 0)  # -1: not allocated (null page), masked
-        page_row = kh * NUM_PAGES + tl.where(page < 0, 0, page)  # [BLOCK_N] row of [K * pages]
-        tok = page_row.to(tl.int64) * P + cols % P  # [BLOCK_N] token rows of [K * pages * P]
-        k = tl.load(k_ptr + tok[:, None] * H + offs_h[None, :],  # [BLOCK_N, BLOCK_H]
-                    mask=ok[:, None] & mask_h[None, :], other=0.0)
-        v = tl.load(v_ptr + tok[:, None] * HV + offs_hv[None, :],  # [BLOCK_N, BLOCK_HV]
-                    mask=ok[:, None] & mask_hv[None, :], other=0.0)
+        if PAGE_TILES:  # the tile lies in one page (P % BLOCK_N == 0): one id, one block
+            # start < end <= MAX_PAGES * P, so the entry exists; -1: the null page, masked.
+            page = tl.load(table_row + start // P)
+            page_ok = page >= 0
+            first = (kh * NUM_PAGES + tl.maximum(page, 0)).to(tl.int64) * P + start % P
+            ok = in_kv & page_ok  # [BLOCK_N]
+            # The unmasked range lies below kv_len: only the page itself can drop out.
+            row_ok = ok[:, None] if MASKED else page_ok
+            k_mask = row_ok & mask_h[None, :] if BLOCK_H != H else row_ok
+            v_mask = row_ok & mask_hv[None, :] if BLOCK_HV != HV else row_ok
+            k = tl.load(k_ptr + first * H + k_offs, mask=k_mask, other=0.0)  # [BLOCK_N, BLOCK_H]
+            v = tl.load(v_ptr + first * HV + v_offs, mask=v_mask, other=0.0)  # [BLOCK_N, BLOCK_HV]
+            if FP8:  # the tile's sub-block scales: [K, NUM_PAGES, P // SUB], P % SUB == 0
+                srow = (first + offs_n) // SUB
+                ks = tl.load(k_scale_ptr + srow, mask=ok, other=0.0)
+                vs = tl.load(v_scale_ptr + srow, mask=ok, other=0.0)
+        else:  # gathered token by token: a tile may span pages
+            page = tl.load(table_row + cols // P, mask=in_kv, other=-1)
+            ok = in_kv & (page >= 0)  # -1: not allocated (null page), masked
+            page_row = kh * NUM_PAGES + tl.where(page < 0, 0, page)  # [BLOCK_N] of [K * pages]
+            tok = page_row.to(tl.int64) * P + cols % P  # [BLOCK_N] token rows of [K * pages * P]
+            k = tl.load(k_ptr + tok[:, None] * H + offs_h[None, :],  # [BLOCK_N, BLOCK_H]
+                        mask=ok[:, None] & mask_h[None, :], other=0.0)
+            v = tl.load(v_ptr + tok[:, None] * HV + offs_hv[None, :],  # [BLOCK_N, BLOCK_HV]
+                        mask=ok[:, None] & mask_hv[None, :], other=0.0)
+            if FP8:
+                srow = tok // SUB
+                ks = tl.load(k_scale_ptr + srow, mask=ok, other=0.0)
+                vs = tl.load(v_scale_ptr + srow, mask=ok, other=0.0)
         if FP8:
-            srow = page_row.to(tl.int64) * (P // SUB) + (cols % P) // SUB
-            ks = tl.load(k_scale_ptr + srow, mask=ok, other=0.0)
-            vs = tl.load(v_scale_ptr + srow, mask=ok, other=0.0)
             k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
             v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
@@ -166,6 +195,7 @@ def _paged_prefill_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
+    PAGE_TILES: tl.constexpr,
 ):
     # Heads vary fastest; the last query tiles (most keys under the causal mask) start first.
     pid = tl.program_id(0)
@@ -199,16 +229,20 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
     acc, l, m = _paged_visit(acc, l, m, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh,
                              pos, 0, sink_end, kv_len, win, sinks, SCALE_LOG2, H, HV, P,
-                             NUM_PAGES, SUB, FP8, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+                             NUM_PAGES, SUB, FP8, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION,
+                             PAGE_TILES)
     acc, l, m = _paged_visit(acc, l, m, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh,
                              pos, main_lo, full_lo, kv_len, win, sinks, SCALE_LOG2, H, HV, P,
-                             NUM_PAGES, SUB, FP8, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+                             NUM_PAGES, SUB, FP8, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION,
+                             PAGE_TILES)
     acc, l, m = _paged_visit(acc, l, m, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh,
                              pos, full_lo, full_hi, kv_len, win, sinks, SCALE_LOG2, H, HV, P,
-                             NUM_PAGES, SUB, FP8, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+                             NUM_PAGES, SUB, FP8, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION,
+                             PAGE_TILES)
     acc, l, m = _paged_visit(acc, l, m, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh,
                              pos, full_hi, end, kv_len, win, sinks, SCALE_LOG2, H, HV, P,
-                             NUM_PAGES, SUB, FP8, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+                             NUM_PAGES, SUB, FP8, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION,
+                             PAGE_TILES)
 
     empty = l == 0.0
     safe_l = tl.where(empty, 1.0, l)
@@ -265,6 +299,7 @@ def _launch(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sin
         NUM_M=num_m, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_HV=max(16, triton.next_power_of_2(hv)),
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+        PAGE_TILES=config.page_tiles and p % config.block_n == 0,
     )
 
 
