@@ -34,6 +34,7 @@ import triton.language as tl
 from attn import _checks
 from attn._harness import triton_call
 from attn.block_sparse import reference
+from attn.dense.triton import _load
 from attn.dense.triton_paged import with_reference_gradient
 
 LOG2E = math.log2(math.e)
@@ -48,17 +49,19 @@ class Config:
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_m", "block_n"))
 
 
 def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
-    """The dense forward's Hopper tiles (128 queries x 64 keys, 8 warps); wide heads take 32-key
-    steps. Not yet timed on the GPU: `python -m experiments.bench_sparse_prefill` decides."""
+    """The dense forward's Hopper launch (128 queries x 64 keys, 8 warps, 3 stages; it used 2
+    stages before, which left less room to overlap loads with math); wide heads (> 128) take 32-key
+    steps and 2 stages, as dense does, so the K / V stages fit in shared memory. Not yet timed on
+    the GPU: `python -m experiments.bench_sparse_prefill` decides."""
     if max(head_dim, value_head_dim or head_dim) > 128:
-        return Config(block_m=128, block_n=32)
+        return Config(block_m=128, block_n=32, num_stages=2)
     return Config()
 
 
@@ -91,36 +94,37 @@ def block_lists(
 
 
 @triton.jit
-def _visit(acc, l, m, q, k_base, v_base, pos, start, kv_len,
+def _visit(acc, l, m, q, k_base, v_base, pos, blocks, i, kv_len,
            SCALE_LOG2: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
-           MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+           BS: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
            BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr):
-    """One step of `BLOCK_N` keys from `start`; MASKED applies the causal and length rules."""
+    """Step `i` of a list walk: `BLOCK_N` keys, sub-step `i % (BS // BLOCK_N)` of the listed block
+    `i // (BS // BLOCK_N)`; MASKED applies the causal and length rules."""
+    SPB: tl.constexpr = BS // BLOCK_N  # steps per block
+    j = tl.load(blocks + i // SPB)  # the block index, loaded per step: pipelined with K / V
+    start = tl.multiple_of(j * BS + (i % SPB) * BLOCK_N, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
     offs_hv = tl.arange(0, BLOCK_HV)
     cols = start + offs_n  # [BLOCK_N] key positions
-    k_ptrs = k_base + cols[:, None] * (K * H) + offs_h[None, :]
-    v_ptrs = v_base + cols[:, None] * (K * HV) + offs_hv[None, :]
-    if MASKED:
-        in_kv = cols < kv_len
-        k = tl.load(k_ptrs, mask=in_kv[:, None] & (offs_h < H)[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=in_kv[:, None] & (offs_hv < HV)[None, :], other=0.0)
-    else:
-        k = tl.load(k_ptrs, mask=(offs_h < H)[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=(offs_hv < HV)[None, :], other=0.0)
+    in_kv = cols < kv_len
+    k = _load(k_base + cols[:, None] * (K * H) + offs_h[None, :], in_kv, offs_h < H, MASKED,
+              BLOCK_H != H)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
     if MASKED:
-        visible = (cols[None, :] <= pos[:, None]) & (cols < kv_len)[None, :]
+        visible = (cols[None, :] <= pos[:, None]) & in_kv[None, :]
         s = tl.where(visible, qk * SCALE_LOG2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m - m_use)
     else:
+        # Every row sees the whole step: no mask, and the scale folds into one FMA.
         m_new = tl.maximum(m, tl.max(qk, 1) * SCALE_LOG2)
         p = tl.exp2(qk * SCALE_LOG2 - m_new[:, None])
         alpha = tl.exp2(m - m_new)
+    v = _load(v_base + cols[:, None] * (K * HV) + offs_hv[None, :], in_kv, offs_hv < HV, MASKED,
+              BLOCK_HV != HV)
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -187,16 +191,17 @@ def _block_sparse_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
-    for i in range(0, whole):  # blocks every query of the tile sees whole: no mask
-        j = tl.load(blocks + i)
-        for sub in range(0, BS, BLOCK_N):
-            acc, l, m = _visit(acc, l, m, q, k_base, v_base, pos, j * BS + sub, kv_len,
-                               SCALE_LOG2, K, H, HV, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
-    for i in range(whole, count):  # the diagonal and the length tail: token masks
-        j = tl.load(blocks + i)
-        for sub in range(0, BS, BLOCK_N):
-            acc, l, m = _visit(acc, l, m, q, k_base, v_base, pos, j * BS + sub, kv_len,
-                               SCALE_LOG2, K, H, HV, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+    # One flat loop per part over (listed block, sub-step) steps, the block index loaded at each
+    # step, so Triton's software pipelining (num_stages) overlaps the next K / V loads with this
+    # step's math across block boundaries (a nested per-block loop of BS // BLOCK_N steps cannot
+    # be pipelined: its trip count is 2 at the default tiles).
+    SPB: tl.constexpr = BS // BLOCK_N
+    for i in range(0, whole * SPB):  # blocks every query of the tile sees whole: no mask
+        acc, l, m = _visit(acc, l, m, q, k_base, v_base, pos, blocks, i, kv_len, SCALE_LOG2, K, H,
+                           HV, BS, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+    for i in range(whole * SPB, count * SPB):  # the diagonal and the length tail: token masks
+        acc, l, m = _visit(acc, l, m, q, k_base, v_base, pos, blocks, i, kv_len, SCALE_LOG2, K, H,
+                           HV, BS, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
 
     empty = (l == 0.0) | (toks >= q_len)
     safe_l = tl.where(empty, 1.0, l)
