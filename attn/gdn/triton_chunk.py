@@ -46,6 +46,7 @@ from attn.gdn.reference import L2NORM_EPS
 
 CHUNK = 64
 _SUB = 16  # rows of the blocks the (I + A)⁻¹ solve works on; CHUNK == 4 * _SUB
+SOLVES = ("subst", "subst_hoist", "nested")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,8 +66,20 @@ class Config:
     num_warps: int = 8
     intra_warps: int = 4
     num_stages: int = 2
+    # Speed options (static; the defaults keep the measured kernels; none touches the float32
+    # path except `solve` and `decay_on_v`, which are rearrangements of the same float32 algebra):
+    # `solve`: "subst" (15 forward-substitution dots inside the 16-row blocks, then the 4-block
+    # merge: 19 [C, C] dots), "subst_hoist" (the same, the dot's A operand loop-invariant: its
+    # per-step row mask moved to the result, same values), "nested" (forward substitution in
+    # 4-row blocks, merged to 16 and then to 64 rows: 3 + 4 + 4 = 11 dots).
+    solve: str = "subst"
+    solve_bf16: bool = False  # the solve's dots with bf16 operands (float32 accumulation)
+    out_bf16: bool = False  # output kernel dots with bf16 operands (fla's), exp(G) after Q S
+    decay_on_v: bool = False  # state update scales V_new's rows [C, BLOCK_HV], not K [C, H]
 
     def __post_init__(self):
+        if self.solve not in SOLVES:
+            raise ValueError(f"solve={self.solve!r} must be one of {SOLVES}")
         for name in ("block_hv_state", "block_hv_out"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
@@ -80,20 +93,53 @@ class Config:
 
 
 @triton.jit
-def _dot(a, b, F32: tl.constexpr):
-    """float32 product: 3-pass TF32 for float32 inputs (`F32`), TF32 otherwise."""
-    if F32:
-        return tl.dot(a, b, input_precision="tf32x3")
-    return tl.dot(a, b, input_precision="tf32")
-
-
-@triton.jit
 def _dot_lp(a, b, F32: tl.constexpr):
     """Product of input-sized operands: 3-pass TF32 for float32 inputs (`F32`), else both rounded to
     bf16 (tensor cores at full rate, float32 accumulation), as fla does."""
     if F32:
         return tl.dot(a, b, input_precision="tf32x3")
     return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+
+@triton.jit
+def _sdot(a, b, F32: tl.constexpr, LP: tl.constexpr):
+    """A solve / output product: 3-pass TF32 for float32 inputs (`F32`), bf16 operands with
+    float32 accumulation if `LP`, TF32 otherwise."""
+    if F32:
+        return tl.dot(a, b, input_precision="tf32x3")
+    if LP:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return tl.dot(a, b, input_precision="tf32")
+
+
+@triton.jit
+def _block_subst(a, r, eye, SB: tl.constexpr, HOIST: tl.constexpr, F32: tl.constexpr,
+                 LP: tl.constexpr):
+    """Inverse of `I + A` on its SB × SB diagonal blocks (block-diagonal, zero elsewhere) by
+    forward substitution, all blocks at once: step i sets row i of every block,
+    `d[r] = e_r − Σ_{s<r} a[r, s] d[s]`. `HOIST`: the dot's A operand is the same every step
+    (the step's row mask applies to the result only, which gives the same rows)."""
+    same = (r[:, None] // SB) == (r[None, :] // SB)
+    a_diag = tl.where(same, a, 0.0)
+    d = eye
+    for i in range(1, SB):
+        sel = (r % SB == i)[:, None]
+        if HOIST:
+            d = tl.where(sel, d - _sdot(a_diag, d, F32, LP), d)
+        else:
+            d = tl.where(sel, d - _sdot(tl.where(sel, a_diag, 0.0), d, F32, LP), d)
+    return d
+
+
+@triton.jit
+def _block_merge(a, d, r, eye, INNER: tl.constexpr, F32: tl.constexpr, LP: tl.constexpr):
+    """`(I + A)⁻¹` on the 4·INNER-row diagonal blocks from `d`, the inverse on the INNER-row ones:
+    with `N = D A_off` (A_off: A inside the outer blocks, off the inner ones; strictly
+    block-lower, N⁴ = 0), `I + A = D⁻¹ (I + N)`, so `(I + A)⁻¹ = (I − N)(I + N²) D` (4 dots)."""
+    outer = (r[:, None] // (4 * INNER)) == (r[None, :] // (4 * INNER))
+    off = outer & ((r[:, None] // INNER) != (r[None, :] // INNER))
+    nil = _sdot(d, tl.where(off, a, 0.0), F32, LP)
+    return _sdot(_sdot(eye - nil, eye + _sdot(nil, nil, F32, LP), F32, LP), d, F32, LP)
 
 
 @triton.jit
@@ -133,10 +179,12 @@ def _intra_kernel(
     HV: tl.constexpr,
     BT: tl.constexpr,
     SUB: tl.constexpr,
+    HOIST: tl.constexpr,
+    SOLVE_LP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
 ):
-    tl.static_assert(BT == 4 * SUB)  # the (I + A)⁻¹ below relies on N⁴ = 0
+    tl.static_assert(BT == 64 and (SUB == 16 or SUB == 4))  # merges by fours rely on N⁴ = 0
     ci = tl.program_id(0)
     head = tl.program_id(1)
     kh = head // (NV // NK)
@@ -160,19 +208,14 @@ def _intra_kernel(
     lower = r[:, None] > r[None, :]
     decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
     a = tl.where(lower, _dot_lp(k * beta[:, None], tl.trans(k), F32) * decay, 0.0)
-    # (I + A)⁻¹: forward substitution inside the SUB × SUB diagonal blocks, all blocks at once
-    # (row i of every block per step: d[r] = e_r − Σ_{s<r} a[r, s] d[s]) gives the block-diagonal
-    # inverse D. With N = D A_off (strictly block-lower, N^4 = 0 for 4 blocks),
-    # I + A = D⁻¹ (I + N), so (I + A)⁻¹ = (I − N)(I + N²) D.
-    same = (r[:, None] // SUB) == (r[None, :] // SUB)
-    a_diag = tl.where(same, a, 0.0)
+    # (I + A)⁻¹: forward substitution inside the SUB × SUB diagonal blocks (the block-diagonal
+    # inverse D), then merged by fours (`_block_merge`) up to BT rows: SUB = 16 one merge,
+    # SUB = 4 ("nested") two.
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    d = eye
-    for i in range(1, SUB):
-        sel = (r % SUB == i)[:, None]
-        d = tl.where(sel, d - _dot(tl.where(sel, a_diag, 0.0), d, F32), d)
-    nil = _dot(d, tl.where(same, 0.0, a), F32)
-    t_inv = _dot(_dot(eye - nil, eye + _dot(nil, nil, F32), F32), d, F32)  # [BT, BT]
+    d = _block_subst(a, r, eye, SUB, HOIST, F32, SOLVE_LP)
+    if SUB == 4:
+        d = _block_merge(a, d, r, eye, 4, F32, SOLVE_LP)
+    t_inv = _block_merge(a, d, r, eye, 16, F32, SOLVE_LP)  # [BT, BT]
 
     # k and v are (re)loaded here, not kept through the solve: fewer live registers (L2 hits).
     k = _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
@@ -202,6 +245,7 @@ def _state_kernel(
     L2NORM: tl.constexpr,
     F32: tl.constexpr,
     HAS_INIT: tl.constexpr,
+    DECAY_V: tl.constexpr,
     NK: tl.constexpr,
     NV: tl.constexpr,
     H: tl.constexpr,
@@ -247,7 +291,10 @@ def _state_kernel(
         gc = tl.load(gcum_ptr + tok * NV + head, mask=valid, other=0.0)  # [BT]
         g_last = tl.load(gcum_ptr + (start + n - 1).to(tl.int64) * NV + head)
         k = _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)  # [BT, BLOCK_H]
-        k = k * tl.exp(g_last - gc)[:, None]
+        if DECAY_V:  # the decay on V_new's [BT, BLOCK_HV] rows (fla's), not on K's [BT, BLOCK_H]
+            v_new = v_new * tl.exp(g_last - gc)[:, None]
+        else:
+            k = k * tl.exp(g_last - gc)[:, None]
         s = s * tl.exp(g_last) + _dot_lp(tl.trans(k), v_new, F32)
     tl.store(final_ptr + state_row + tile, s, mask=mask)
 
@@ -266,6 +313,7 @@ def _output_kernel(
     EPS: tl.constexpr,
     L2NORM: tl.constexpr,
     F32: tl.constexpr,
+    OUT_LP: tl.constexpr,
     NK: tl.constexpr,
     NV: tl.constexpr,
     H: tl.constexpr,
@@ -292,13 +340,20 @@ def _output_kernel(
     gc = tl.load(gcum_ptr + tok * NV + head, mask=valid, other=0.0)  # [BT]
     s = tl.load(  # [BLOCK_H, BLOCK_HV], the state entering the chunk
         hbuf_ptr + (ci.to(tl.int64) * NV + head) * (H * HV) + offs_h[:, None] * HV
-        + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+        + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0)
     v_new = tl.load(vnew_ptr + (tok * NV + head)[:, None] * HV + offs_v[None, :],
-                    mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+                    mask=valid[:, None] & mask_v[None, :], other=0.0)
+    if not OUT_LP:  # else they stay in their stored dtype: bf16 dot operands as they are
+        s = s.to(tl.float32)
+        v_new = v_new.to(tl.float32)
     causal = r[:, None] >= r[None, :]
     decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT]
-    scores = tl.where(causal, _dot(q, tl.trans(k), F32) * decay, 0.0)
-    o = _dot(q * tl.exp(gc)[:, None], s, F32) + _dot(scores, v_new, F32)  # [BT, BLOCK_HV]
+    scores = tl.where(causal, _sdot(q, tl.trans(k), F32, OUT_LP) * decay, 0.0)
+    if OUT_LP:  # fla's order: exp(G) on the [BT, BLOCK_HV] product, q rounded to bf16 as is
+        o = _sdot(q, s, F32, OUT_LP) * tl.exp(gc)[:, None]
+    else:
+        o = _sdot(q * tl.exp(gc)[:, None], s, F32, OUT_LP)
+    o += _sdot(scores, v_new, F32, OUT_LP)  # [BT, BLOCK_HV]
     _store_rows(o_ptr, tok, valid, head, offs_v, mask_v, o, NV, HV)
 
 
@@ -385,6 +440,26 @@ def gdn_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2no
 
 
 def _forward(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_qk_l2norm, config):
+    intra, state, output, x = stages(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
+                                     use_qk_l2norm=use_qk_l2norm, config=config)
+    tables = (x["cstart"], x["clen"])
+    gcum, w, u = intra(x["k2"], x["v2"], x["g2"], x["beta2"], *tables)
+    hbuf, v_new, final = state(x["k2"], w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"])
+    o = output(x["q2"], x["k2"], gcum, hbuf, v_new, *tables)
+    return o.reshape(v.shape), final
+
+
+def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
+           use_qk_l2norm=False, config: Config | None = None):
+    """The pipeline's three kernel launches as separate functions (`_forward` chains them;
+    `experiments/profile_gdn_chunk.py` times them one by one).
+
+    Returns:
+      `(intra, state, output, x)`: `intra(k2, v2, g2, beta2, cstart, clen) -> (gcum, w, u)`,
+      `state(k2, w, u, gcum, cstart, clen, sfirst, scount, h0) -> (hbuf, v_new, final)`,
+      `output(q2, k2, gcum, hbuf, v_new, cstart, clen) -> o [B·T, Nv, Hv]`, and `x` the flattened
+      inputs and chunk tables by those names.
+    """
     bsz, t, nk, h = q.shape
     nv, hv = v.shape[2:]
     n_tok = bsz * t
@@ -395,46 +470,55 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_qk_l2nor
     inter = jnp.float32 if f32 else v.dtype
     cstart, clen, sfirst, scount = _chunk_tables(bsz, t, cu_seqlens)
     n_chunks = cstart.shape[0]
-    q2, k2 = q.reshape(n_tok, nk, h), k.reshape(n_tok, nk, h)
-    v2 = v.reshape(n_tok, nv, hv)
-    g2, beta2 = g.reshape(n_tok, nv), beta.reshape(n_tok, nv)
+    has_init = initial_state is not None
+    x = dict(q2=q.reshape(n_tok, nk, h), k2=k.reshape(n_tok, nk, h), v2=v.reshape(n_tok, nv, hv),
+             g2=g.reshape(n_tok, nv), beta2=beta.reshape(n_tok, nv), cstart=cstart, clen=clen,
+             sfirst=sfirst, scount=scount,
+             h0=initial_state.astype(jnp.float32) if has_init else jnp.zeros((1,), jnp.float32))
     block_h = max(16, triton.next_power_of_2(h))
+    block_hv = max(16, triton.next_power_of_2(hv))
     common = dict(EPS=L2NORM_EPS, L2NORM=bool(use_qk_l2norm), F32=f32, NK=nk, NV=nv, H=h, HV=hv,
                   BLOCK_H=block_h)
 
-    gcum, w, u = triton_call(
-        k2, v2, g2, beta2, cstart, clen,
-        kernel=_intra_kernel,
-        out_shape=(jax.ShapeDtypeStruct((n_tok, nv), jnp.float32),
-                   jax.ShapeDtypeStruct((n_tok, nv, h), inter),
-                   jax.ShapeDtypeStruct((n_tok, nv, hv), inter)),
-        grid=(n_chunks, nv),
-        num_warps=config.intra_warps,
-        num_stages=1,
-        BT=CHUNK, SUB=_SUB, BLOCK_HV=max(16, triton.next_power_of_2(hv)), **common,
-    )
-    has_init = initial_state is not None
-    h0 = initial_state.astype(jnp.float32) if has_init else jnp.zeros((1,), jnp.float32)
-    bv = min(config.block_hv_state, max(16, triton.next_power_of_2(hv)))
-    hbuf, v_new, final = triton_call(
-        k2, w, u, gcum, cstart, clen, sfirst, scount, h0,
-        kernel=_state_kernel,
-        out_shape=(jax.ShapeDtypeStruct((n_chunks, nv, h, hv), inter),
-                   jax.ShapeDtypeStruct((n_tok, nv, hv), inter),
-                   jax.ShapeDtypeStruct((n_seq, nv, h, hv), jnp.float32)),
-        grid=(n_seq, nv, triton.cdiv(hv, bv)),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        HAS_INIT=has_init, BT=CHUNK, BLOCK_HV=bv, **common,
-    )
-    bv = min(config.block_hv_out, max(16, triton.next_power_of_2(hv)))
-    o = triton_call(
-        q2, k2, gcum, hbuf, v_new, cstart, clen,
-        kernel=_output_kernel,
-        out_shape=jax.ShapeDtypeStruct((n_tok, nv, hv), q.dtype),
-        grid=(n_chunks, nv, triton.cdiv(hv, bv)),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        SCALE=float(scale), BT=CHUNK, BLOCK_HV=bv, **common,
-    )
-    return o.reshape(bsz, t, nv, hv), final
+    def intra(k2, v2, g2, beta2, cstart, clen):
+        return triton_call(
+            k2, v2, g2, beta2, cstart, clen,
+            kernel=_intra_kernel,
+            out_shape=(jax.ShapeDtypeStruct((n_tok, nv), jnp.float32),
+                       jax.ShapeDtypeStruct((n_tok, nv, h), inter),
+                       jax.ShapeDtypeStruct((n_tok, nv, hv), inter)),
+            grid=(n_chunks, nv),
+            num_warps=config.intra_warps,
+            num_stages=1,
+            BT=CHUNK, SUB=4 if config.solve == "nested" else _SUB,
+            HOIST=config.solve == "subst_hoist", SOLVE_LP=config.solve_bf16, BLOCK_HV=block_hv,
+            **common,
+        )
+
+    def state(k2, w, u, gcum, cstart, clen, sfirst, scount, h0):
+        bv = min(config.block_hv_state, block_hv)
+        return triton_call(
+            k2, w, u, gcum, cstart, clen, sfirst, scount, h0,
+            kernel=_state_kernel,
+            out_shape=(jax.ShapeDtypeStruct((n_chunks, nv, h, hv), inter),
+                       jax.ShapeDtypeStruct((n_tok, nv, hv), inter),
+                       jax.ShapeDtypeStruct((n_seq, nv, h, hv), jnp.float32)),
+            grid=(n_seq, nv, triton.cdiv(hv, bv)),
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            HAS_INIT=has_init, DECAY_V=config.decay_on_v, BT=CHUNK, BLOCK_HV=bv, **common,
+        )
+
+    def output(q2, k2, gcum, hbuf, v_new, cstart, clen):
+        bv = min(config.block_hv_out, block_hv)
+        return triton_call(
+            q2, k2, gcum, hbuf, v_new, cstart, clen,
+            kernel=_output_kernel,
+            out_shape=jax.ShapeDtypeStruct((n_tok, nv, hv), q.dtype),
+            grid=(n_chunks, nv, triton.cdiv(hv, bv)),
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            SCALE=float(scale), OUT_LP=config.out_bf16, BT=CHUNK, BLOCK_HV=bv, **common,
+        )
+
+    return intra, state, output, x
