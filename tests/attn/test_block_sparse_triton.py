@@ -79,6 +79,27 @@ def test_kernel_matches_reference(name):
         assert not sees[0, :10].any() and sees[0, 10:40, 0].all() and not sees[0, 40:].any()
 
 
+# The walk is one flat loop of `block_size // block_n` steps per listed block (the block index
+# loaded at each step): 1, 2 and 4 steps per block, `block_m` below, at and above (capped to) the
+# block size, group sizes 1, 2 and 4, odd lengths with a partial last query tile and key block.
+WALKS = {
+    "bs16-1step": (16, kernel.Config(block_m=16, block_n=16)),
+    "bs32-2steps-bm-capped": (32, kernel.Config(block_m=64, block_n=16)),
+    "bs64-4steps-2tiles": (64, kernel.Config(block_m=32, block_n=16, num_stages=2)),
+}
+
+
+@pytest.mark.parametrize("walk", list(WALKS))
+@pytest.mark.parametrize("g", [1, 2, 4])
+def test_flat_walk_steps_and_groups(walk, g):
+    bs, config = WALKS[walk]
+    q, k, v, modes, bm, lens = _problem(rng(), b=2, t=77, s=131, n=2 * g, kh=2, bs=bs,
+                                        q_lengths=[77, 50], kv_lengths=[131, 97])
+    sees = _check(q, k, v, modes, bm, config=config, block_size=bs, sink_blocks=1,
+                  local_blocks=2, **lens)
+    assert sees.any() and not sees.all()
+
+
 def test_seed_block_128_bf16_default_config():
     gen = rng()
     q, k, v, modes, bm, lens = _problem(gen, b=1, t=200, s=300, n=2, kh=1, bs=128, h=32, hv=32,
