@@ -363,6 +363,118 @@ def test_chunked_compiled_on_gpu_at_model_dims(varlen):
         assert err <= 2e-2, f"{name}: relative error {err:.3g}"
 
 
+# The speed options of `triton_chunk.Config` (defaults off): each alone and all together.
+SPEED_OPTIONS = [
+    dict(solve="subst_hoist"), dict(solve="nested"), dict(solve_bf16=True), dict(out_bf16=True),
+    dict(decay_on_v=True),
+    dict(solve="nested", solve_bf16=True, out_bf16=True, decay_on_v=True, block_hv_out=16),
+]
+SPEED_IDS = [case_id(**o) for o in SPEED_OPTIONS]
+
+
+def _rel_norm(a, e) -> float:
+    a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+    return float(np.linalg.norm(a - e) / np.linalg.norm(e))
+
+
+@pytest.mark.parametrize("opts", SPEED_OPTIONS, ids=SPEED_IDS)
+def test_chunked_speed_options_float32_match_float64(opts):
+    """float32 q/k/v: the bf16 options do not apply (3-pass TF32 stays), the others rearrange the
+    same float32 algebra: within 1e-5 of the float64 recurrence, as `Config()` is; B2 with
+    initial states, T = 130 (two full chunks and a 2-token tail)."""
+    gen = rng()
+    xs, h0 = _chunk_problem(gen, b=2, t=130, nk=1, nv=2, h=16, hv=32)
+    o, final = chunk_kernel.gdn_chunked(*xs, initial_state=h0, use_qk_l2norm=True,
+                                        config=chunk_kernel.Config(**opts))
+    o64, final64 = _recurrent64(*xs, h0)
+    assert_close(o, o64, atol=1e-5, rtol=1e-5)
+    assert_close(final, final64, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("opts", SPEED_OPTIONS, ids=SPEED_IDS)
+def test_chunked_speed_options_bf16_varlen_with_states(opts):
+    """bf16 q/k/v, packed sequences of 1, 70, 0 and 64 tokens with their own initial states:
+    each sequence's output and final state against the float64 recurrence on the same bf16
+    values, by relative-norm error.
+
+    Tolerance 3e-2: bf16 keeps 8 significant bits and the interpreter's float32 -> bf16 casts
+    truncate (unit error 2^-8 = 3.9e-3, twice a GPU's rounding). `Config()` already rounds the
+    intermediates (W, U, V_new, the per-chunk states) and the `K Kᵀ`, W / U, `W S` and `Kᵀ V_new`
+    operands to bf16: ~1e-2 here. The options add one more truncation to the solve's or the
+    output's operands; out_bf16 measured 1.8e-2 (the docstring's "doubled"), so 3e-2 leaves ~1.6x
+    headroom, about 8 truncation units; a wrong chunk, head, boundary or decay gives O(1). The
+    option must also stay within 2.5x `Config()`'s error on the same data (+ 2e-3 for the
+    one-token sequence's noise)."""
+    gen = rng()
+    lens = [1, 70, 0, 64]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    xs, h0 = _chunk_problem(gen, b=1, t=int(cu[-1]), nk=1, nv=2, h=16, hv=32,
+                            dtype=jnp.bfloat16, n_state=len(lens))
+    run = lambda config: chunk_kernel.gdn_chunked(
+        *xs, initial_state=h0, use_qk_l2norm=True, cu_seqlens=jnp.asarray(cu), config=config)
+    (o, final), (o_base, final_base) = run(chunk_kernel.Config(**opts)), run(None)
+    assert o.dtype == jnp.bfloat16 and final.dtype == jnp.float32
+    for i, (lo, hi) in enumerate(itertools.pairwise(cu)):
+        o64, final64 = _recurrent64(*(x[:, lo:hi] for x in xs), h0[i:i + 1])
+        pairs = [("final", final[i:i + 1], final_base[i:i + 1], final64)]
+        if hi > lo:
+            pairs.append(("o", o[:, lo:hi], o_base[:, lo:hi], o64))
+        else:  # an empty sequence keeps its state exactly
+            np.testing.assert_array_equal(np.asarray(final[i]), np.asarray(h0[i]))
+        for name, got, base, exp in pairs:
+            err, base_err = _rel_norm(got, exp), _rel_norm(base, exp)
+            assert err <= 3e-2, f"sequence {i} {name}: relative error {err:.3g}"
+            assert err <= 2.5 * base_err + 2e-3, (
+                f"sequence {i} {name}: {err:.3g} against Config()'s {base_err:.3g}")
+
+
+def test_chunked_config_rejects_unknown_solve():
+    with pytest.raises(ValueError, match="solve"):
+        chunk_kernel.Config(solve="cholesky")
+
+
+def test_profile_gdn_chunk_quick_runs_and_counts():
+    """`experiments.profile_gdn_chunk --quick` (interpreter) times the three kernels and the
+    whole op for `Config()` and a `--config` and reports errors against the baseline and the
+    reference; its byte counts equal the real tensors' sizes and its FLOPs, the solve left out,
+    `bench_gdn_prefill.gdn_flops`."""
+    from experiments import bench_gdn_prefill
+    from experiments import profile_gdn_chunk as prof
+
+    rows = prof.main(["--quick", "--cases", "1x70", "--config", "solve=nested,out_bf16=1"])
+    assert [r["kernel"] for r in rows] == ["intra", "state", "output", "sum", "whole"] * 2
+    assert {r["config"] for r in rows} == {"default", "solve=nested,out_bf16=True"}
+    other = rows[-1]
+    assert other["rel_err_o"] < 3e-2 and other["ref_err_o"] < 3e-2 and other["ms"] > 0
+    with pytest.raises(ValueError, match="name=value"):
+        prof.parse_config("no_such_field=1")
+    assert prof.parse_config("intra_warps=8,decay_on_v=1") == chunk_kernel.Config(
+        intra_warps=8, decay_on_v=True)
+
+    b, t, heads = 2, 70, dict(nk=1, nv=2, h=16, hv=32)
+    gen = rng()
+    xs, h0 = _chunk_problem(gen, b=b, t=t, **heads, dtype=jnp.bfloat16)
+    config = chunk_kernel.Config(block_hv_state=32, block_hv_out=32, solve="nested")
+    intra, state, output, x = chunk_kernel.stages(*xs, h0, use_qk_l2norm=True, config=config)
+    tables = (x["cstart"], x["clen"])
+    ins = {"intra": (x["k2"], x["v2"], x["g2"], x["beta2"])}
+    outs = {"intra": intra(*ins["intra"], *tables)}
+    gcum, w, u = outs["intra"]
+    ins["state"] = (x["k2"], w, u, gcum, x["h0"])
+    outs["state"] = state(x["k2"], w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"])
+    hbuf, v_new, _ = outs["state"]
+    ins["output"] = (x["q2"], x["k2"], gcum, hbuf, v_new)
+    outs["output"] = (output(*ins["output"], *tables),)
+    counts = prof.cost(b, t, config=config, has_init=True, **heads)
+    for name in ("intra", "state", "output"):
+        nbytes = sum(a.nbytes for a in ins[name] + outs[name])
+        assert counts[name]["GB"] * 1e9 == pytest.approx(nbytes), name
+        assert counts[name]["GB_rr"] >= counts[name]["GB"]
+    solve = b * 2 * heads["nv"] * prof.SOLVE_DOTS["nested"] * 2 * chunk_kernel.CHUNK**3
+    total = sum(c["GFLOP"] for c in counts.values()) * 1e9 - solve
+    assert total == pytest.approx(bench_gdn_prefill.gdn_flops(b, t, 2, 16, 32))
+
+
 def test_bench_gdn_prefill_smoke_runs_on_cpu(tmp_path):
     """`python -m experiments.bench_gdn_prefill --smoke` (tiny shapes, interpreter) writes its
     rows, with our outputs close to the XLA reference's."""

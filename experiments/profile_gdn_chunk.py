@@ -1,0 +1,218 @@
+"""Per-kernel profile of the chunked GDN prefill (`attn.gdn.triton_chunk`): which of the three
+kernels the time goes to, and how far each is from its bytes and FLOPs.
+
+    python -m experiments.profile_gdn_chunk                       # B1 T32K and B8 T4K, Config()
+    python -m experiments.profile_gdn_chunk --config solve=nested,out_bf16=1 --config decay_on_v=1
+    python -m experiments.profile_gdn_chunk --quick               # tiny shapes, CPU interpreter
+
+Shapes as `bench_gdn_prefill`'s gdn rows: Nk16, Nv32, H = Hv = 128, bf16 q / k / v, float32 g and
+beta, l2-norm in the kernels, no initial state (`--init` adds one). Every `--config` (a comma list
+of `Config` fields, `name=value`; booleans as 0 / 1) is one table; the first table is always
+`Config()`, the baseline the others' `rel_err` is measured against (same inputs).
+
+Each kernel is jitted alone on the previous kernel's real outputs and timed with
+`experiments._bench.time_ms` (median of `--trials` trials of `--iters` back-to-back calls after
+a warm-up, `block_until_ready` once per trial); `whole` is the jitted three-kernel op. Per kernel:
+
+- `GB`: HBM bytes if every tensor is read or written once (inputs + outputs, at their dtypes);
+  `GB_rr` adds the re-reads the grid implies (k per value head; w / k per state tile of
+  `block_hv_state` value features, q / k per output tile): L2 absorbs part of those.
+- `GFLOP`: the matmuls as the kernel runs them: intra `K Kᵀ` 2C²H, the solve's [C, C] dots
+  (2C³ each: "subst" 15 + 4, "nested" 3 + 8), W and U 2C²(H + Hv); state `W S` and `Kᵀ V_new`
+  4CH·Hv; output `Q Kᵀ` 2C²H per value tile, `Q S` 2CH·Hv, `P V_new` 2C²Hv; per chunk and value
+  head.
+- `TB/s` = GB / ms and `TFLOP/s` = GFLOP / ms: compare with the copy bandwidth (~3 TB/s on an
+  H100) and the dense bf16 rate (~700 TFLOP/s; TF32 half that) to see which bound a kernel is
+  far from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+if "--quick" in sys.argv:  # before jax is imported: the interpreter on the CPU
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attn  # noqa: F401  (sets up Triton before its first import)
+from attn.gdn import reference as gdn_ref
+from attn.gdn import triton_chunk as tc
+from experiments import _bench
+
+CASES = ((1, 32768), (8, 4096))
+HEADS = dict(nk=16, nv=32, h=128, hv=128)
+QUICK_CASES = ((1, 130), (2, 64))
+QUICK_HEADS = dict(nk=1, nv=2, h=16, hv=32)
+SOLVE_DOTS = {"subst": 15 + 4, "subst_hoist": 15 + 4, "nested": 3 + 4 + 4}
+
+
+def parse_config(text: str) -> tc.Config:
+    """`"name=value,..."` -> `Config` (int / bool / str by the field's default; bool as 0/1)."""
+    fields = {f.name: f for f in dataclasses.fields(tc.Config)}
+    kw = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"{item!r}: expected name=value with name in {sorted(fields)}")
+        kind = type(fields[name].default)
+        if kind is bool:
+            if value.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(f"{item!r}: a boolean is 0 / 1 / true / false")
+            kw[name] = value.lower() in ("1", "true")
+        else:
+            kw[name] = kind(value)
+    return tc.Config(**kw)
+
+
+def describe(config: tc.Config) -> str:
+    """The fields that differ from `Config()`, or "default"."""
+    base = tc.Config()
+    diff = [f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)
+            if getattr(config, f.name) != getattr(base, f.name)]
+    return ",".join(diff) or "default"
+
+
+def cost(b: int, t: int, *, nk: int, nv: int, h: int, hv: int, config: tc.Config,
+         has_init: bool = False, in_bytes: int = 2) -> dict[str, dict[str, float]]:
+    """Bytes (`GB`, `GB_rr`) and matmul `GFLOP` of each kernel (module docstring), B rows of T."""
+    c = tc.CHUNK
+    n_tok, chunks = b * t, b * -(-t // c)
+    per_h = lambda *heads_dims: sum(n * d for n, d in heads_dims)
+    f32, inter = 4, in_bytes
+    tiles_state = -(-hv // min(config.block_hv_state, hv))
+    tiles_out = -(-hv // min(config.block_hv_out, hv))
+    state_bytes = chunks * nv * h * hv
+    gcum = n_tok * nv * f32
+    gb = lambda x: x / 1e9
+    k_once, k_heads = n_tok * nk * h * in_bytes, n_tok * nv * h * in_bytes
+    intra = n_tok * (per_h((nk, h)) * in_bytes + nv * hv * in_bytes + 2 * nv * f32)  # k v g beta
+    intra += gcum + n_tok * nv * (h + hv) * inter  # gcum, w, u
+    intra_rr = intra - k_once + k_heads
+    state = k_once + n_tok * nv * (h + hv) * inter + gcum  # k, w, u, gcum
+    state += state_bytes * inter + n_tok * nv * hv * inter + b * nv * h * hv * f32  # hbuf, v_new
+    state += b * nv * h * hv * f32 if has_init else 0
+    state_rr = state - k_once + tiles_state * (k_heads + n_tok * nv * h * inter)
+    out = 2 * k_once + gcum + state_bytes * inter + 2 * n_tok * nv * hv * inter  # q k gcum h vn o
+    out_rr = out - 2 * k_once + 2 * tiles_out * k_heads
+    heads = chunks * nv
+    flops = dict(
+        intra=heads * (2 * c * c * h + SOLVE_DOTS[config.solve] * 2 * c**3 + 2 * c * c * (h + hv)),
+        state=heads * 4 * c * h * hv,
+        output=heads * (tiles_out * 2 * c * c * h + 2 * c * h * hv + 2 * c * c * hv),
+    )
+    return {name: dict(GB=gb(by), GB_rr=gb(rr), GFLOP=flops[name] / 1e9) for name, by, rr in
+            (("intra", intra, intra_rr), ("state", state, state_rr), ("output", out, out_rr))}
+
+
+def _inputs(b, t, *, nk, nv, h, hv, init, seed=0):
+    gen = np.random.default_rng(seed)
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+    q, k = (bf(gen.standard_normal((b, t, nk, h), np.float32)) for _ in range(2))
+    v = bf(gen.standard_normal((b, t, nv, hv), np.float32))
+    g = jnp.asarray(np.log(gen.uniform(0.4, 0.99, (b, t, nv))), jnp.float32)
+    beta = jnp.asarray(gen.uniform(0.05, 0.95, (b, t, nv)), jnp.float32)
+    h0 = jnp.asarray(0.5 * gen.standard_normal((b, nv, h, hv)), jnp.float32) if init else None
+    return (q, k, v, g, beta), h0
+
+
+def _rel_err(a, e) -> float:
+    a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+    return float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
+
+
+def profile_case(b, t, config, *, heads, init, timing, baseline=None, reference=False):
+    """One table's rows: per kernel ms / bytes / FLOPs, then `whole` (the chained op).
+
+    Returns:
+      `(rows, (o, final))`; rows carry `rel_err_o` / `rel_err_final` against `baseline`
+      (another config's outputs) and, if `reference`, against the XLA reference.
+    """
+    xs, h0 = _inputs(b, t, init=init, **heads)
+    intra, state, output, x = tc.stages(*xs, h0, use_qk_l2norm=True, config=config)
+    intra, state, output = jax.jit(intra), jax.jit(state), jax.jit(output)
+    tables = (x["cstart"], x["clen"])
+    args = {"intra": (x["k2"], x["v2"], x["g2"], x["beta2"], *tables)}
+    gcum, w, u = jax.block_until_ready(intra(*args["intra"]))
+    args["state"] = (x["k2"], w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"])
+    hbuf, v_new, final = jax.block_until_ready(state(*args["state"]))
+    args["output"] = (x["q2"], x["k2"], gcum, hbuf, v_new, *tables)
+    o = output(*args["output"]).reshape(xs[2].shape)
+    whole = jax.jit(lambda q, k, v, g, beta, h0: tc.gdn_chunked(
+        q, k, v, g, beta, initial_state=h0, use_qk_l2norm=True, config=config))
+    costs = cost(b, t, has_init=init, config=config, **heads)
+    rows = []
+    for name, fn in (("intra", intra), ("state", state), ("output", output)):
+        ms = _bench.time_ms(fn, *args[name], **timing)
+        rows.append(dict(kernel=name, ms=ms, **costs[name]))
+    total_ms = sum(r['ms'] for r in rows)
+    for r in rows:
+        r["share"] = r['ms'] / total_ms
+    rows.append(dict(kernel="sum", ms=total_ms, share=1.0,
+                     **{key: sum(r[key] for r in rows) for key in ("GB", "GB_rr", "GFLOP")}))
+    whole_ms = _bench.time_ms(whole, *xs, h0, **timing)
+    rows.append(dict(kernel="whole", ms=whole_ms, share=whole_ms / total_ms,
+                     **{key: rows[-1][key] for key in ("GB", "GB_rr", "GFLOP")}))
+    extra = {}
+    if baseline is not None:
+        extra.update(rel_err_o=_rel_err(o, baseline[0]), rel_err_final=_rel_err(final, baseline[1]))
+    if reference:
+        exp_o, exp_final = jax.jit(lambda q, k, v, g, beta, h0: gdn_ref.gdn_chunked(
+            q, k, v, g, beta, initial_state=h0, use_qk_l2norm=True))(*xs, h0)
+        extra.update(ref_err_o=_rel_err(o, exp_o), ref_err_final=_rel_err(final, exp_final))
+    for r in rows:
+        r.update(case=f"B{b}-T{t}", config=describe(config), **extra)
+    return rows, (np.asarray(o, np.float32), np.asarray(final))
+
+
+def format_table(rows) -> str:
+    head = rows[0]
+    lines = [f"{head['case']}  config: {head['config']}" + "".join(
+        f"  {key} {head[key]:.3g}" for key in ("rel_err_o", "rel_err_final", "ref_err_o",
+                                                "ref_err_final") if key in head)]
+    lines.append(f"{'kernel':<8}{'ms':>9}{'share':>7}{'GB':>8}{'GB_rr':>8}{'TB/s':>7}"
+                 f"{'GFLOP':>9}{'TFLOP/s':>9}")
+    for r in rows:
+        lines.append(f"{r['kernel']:<8}{r['ms']:>9.3f}{r['share']:>7.0%}{r['GB']:>8.4g}"
+                     f"{r['GB_rr']:>8.4g}{r['GB'] / r['ms']:>7.3g}{r['GFLOP']:>9.4g}"
+                     f"{r['GFLOP'] / r['ms']:>9.4g}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny shapes, CPU interpreter")
+    p.add_argument("--config", action="append", default=[],
+                   help="Config fields, e.g. solve=nested,out_bf16=1 (repeatable: one table each)")
+    p.add_argument("--cases", default=None, help="BxT list, e.g. 1x32768,8x4096")
+    p.add_argument("--init", action="store_true", help="with an initial state")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--trials", type=int, default=5)
+    args = p.parse_args(argv)
+    heads = QUICK_HEADS if args.quick else HEADS
+    cases = QUICK_CASES if args.quick else CASES
+    if args.cases:
+        cases = tuple(tuple(int(n) for n in c.lower().split("x")) for c in args.cases.split(","))
+    timing = (dict(iters=1, trials=1, warmup=1) if args.quick else
+              dict(iters=args.iters, trials=args.trials, warmup=2))
+    configs = [tc.Config()] + [parse_config(c) for c in args.config]
+    print(f"device: {jax.devices()[0].device_kind}  heads: {heads}", flush=True)
+    rows = []
+    for b, t in cases:
+        baseline = None
+        for config in configs:
+            table, outs = profile_case(b, t, config, heads=heads, init=args.init, timing=timing,
+                                       baseline=baseline, reference=args.quick)
+            baseline = baseline or outs
+            print(format_table(table) + "\n", flush=True)
+            rows += table
+    return rows
+
+
+if __name__ == "__main__":
+    main()
