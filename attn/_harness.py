@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 IMPLEMENTATIONS = ("xla", "triton", "mosaic", "auto")
@@ -168,13 +169,16 @@ def _empty_output(s: jax.ShapeDtypeStruct, zeroed: bool) -> np.ndarray:
 
 @functools.cache
 def _fix_interpreter() -> None:
-    """Two fixes to Triton 3.6's interpreter; compiled kernels are unaffected.
+    """Three fixes to Triton 3.6's interpreter; compiled kernels are unaffected.
 
     1. Loop bounds loaded from memory (`range(lo, hi)` with tensor bounds): the interpreter turns a
        scalar tensor into an int with `int(ndarray)` on a 1-element array, which numpy >= 2.4
        refuses.
     2. `tl.dot` on bfloat16: the interpreter keeps bf16 as raw uint16 bits and multiplies the bits.
        We widen bf16 operands to float32 first (exact), as the tensor cores accumulate in fp32.
+    3. Casts to e4m3: the interpreter truncates the mantissa and loses the carry into the exponent
+       (124.8 becomes 64, not 128). The GPU rounds to nearest even and saturates at +-448
+       (`cvt.rn.satfinite`); so do we, through ml_dtypes.
     """
     import triton.language as tl
     from triton.runtime import interpreter
@@ -200,6 +204,18 @@ def _fix_interpreter() -> None:
         return original_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     builder.create_dot = create_dot
+
+    original_convert = interpreter._convert_float
+
+    def convert_float(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and (input_dtype.is_fp32() or input_dtype.is_fp16()):
+            wide = np.frombuffer(data.tobytes(), np.float16 if input_dtype.is_fp16()
+                                 else np.float32).astype(np.float32)
+            out = np.clip(wide, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
+            return out.view(np.uint8).reshape(np.shape(data))
+        return original_convert(data, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = convert_float
 
 
 def _interpreted(kernel):

@@ -1,15 +1,16 @@
-"""KV writes into head-major pages (`kv.write_kv`, an XLA scatter), bf16 and fp8, on the GPU.
+"""KV writes into head-major pages (`kv.write_kv`), bf16 and fp8, on the GPU.
 
 Rows (`bench_decode --only kv_write`):
 
 - `kv_write`: one decode token per row written into the paged cache, B64, K8, H128, pages of 64,
   a pool sized for S32K per row, every row at position S - 1 (a page in the middle of the pool).
-  bf16: bytes = the new K and V read + written. fp8: `write_kv` re-quantises the touched
-  sub-block (`fp8.quantize_tokens`): per token and head it reads and rewrites the sub-block's
-  `sub_block` tokens of K and V plus their scales, and reads the new token; those bytes count.
-  Ceiling: the copy bandwidth measured in the process. Anchor: our paged decode kernel at the
-  same shape (G4, from the same run); goal: the write costs <= 5% of the decode step it feeds
-  ("an XLA scatter is fine if it keeps up").
+  bf16: an XLA scatter; bytes = the new K and V read + written. fp8: `write_kv` re-quantises the
+  touched sub-block (`fp8.quantize_tokens`, on the GPU the Triton read-modify-write kernel of
+  `kv.fp8_triton`): per token and head it reads and rewrites the sub-block's `sub_block` tokens
+  of K and V plus their scales, and reads the new token; those bytes count. Ceiling: the copy
+  bandwidth measured in the process. Anchor: our paged decode kernel at the same shape (G4, from
+  the same run); goal: the write costs <= 5% of the decode step it feeds ("an XLA scatter is fine
+  if it keeps up"). The fp8 rows also time the XLA scatter version (`xla_ms`).
 - `kv_write_prefill`: a 2K-token chunk of one row written (bf16 and fp8), for information.
 
 Timing: one jitted call runs `STEPS` writes in a `fori_loop` with the pool donated, so every
@@ -44,11 +45,13 @@ def _pool_and_tables(*, batch, kv_heads, head_dim, page, seq, fp8, sub_block):
     return pool, tables
 
 
-def _time_write(pool, tables, k, v, offsets, num_new, *, trials: int = 5) -> float:
+def _time_write(pool, tables, k, v, offsets, num_new, *, implementation: str = "auto",
+                trials: int = 5) -> float:
     """Median ms per `write_kv`, the pool donated and carried from call to call."""
     def steps(pool, k, v):
         return jax.lax.fori_loop(
-            0, STEPS, lambda i, p: kv.write_kv(p, tables, k, v, offsets, num_new), pool)
+            0, STEPS, lambda i, p: kv.write_kv(p, tables, k, v, offsets, num_new,
+                                               implementation=implementation), pool)
 
     run = jax.jit(steps, donate_argnums=0)
     pool = jax.tree.map(jnp.copy, pool)  # distinct buffers: the pool's zeros may be shared
@@ -61,7 +64,7 @@ def _time_write(pool, tables, k, v, offsets, num_new, *, trials: int = 5) -> flo
     return statistics.median(times)
 
 
-def _case(*, batch, tokens, kv_heads, head_dim, page, seq, fp8, sub_block):
+def _case(*, batch, tokens, kv_heads, head_dim, page, seq, fp8, sub_block, implementation="auto"):
     pool, tables = _pool_and_tables(batch=batch, kv_heads=kv_heads, head_dim=head_dim, page=page,
                                     seq=seq, fp8=fp8, sub_block=sub_block)
     key = jax.random.key(7)
@@ -70,7 +73,7 @@ def _case(*, batch, tokens, kv_heads, head_dim, page, seq, fp8, sub_block):
                           jnp.bfloat16)
     offsets = jnp.full((batch,), seq - tokens, jnp.int32)
     num_new = jnp.full((batch,), tokens, jnp.int32)
-    ms = _time_write(pool, tables, k, v, offsets, num_new)
+    ms = _time_write(pool, tables, k, v, offsets, num_new, implementation=implementation)
     new = 2 * batch * tokens * kv_heads * head_dim  # K and V elements written
     if fp8:  # new tokens read (bf16), touched sub-blocks read + rewritten (fp8), scales
         blocks = 2 * batch * kv_heads * -(-tokens // sub_block)
@@ -90,9 +93,11 @@ def kv_write_rows(bw: dict, *, batch: int = 64, kv_heads: int = 8, head_dim: int
     rows = []
     decode_ms = decode_ms or {}
     ceiling = bw["ceiling"]
+    shape = dict(kv_heads=kv_heads, head_dim=head_dim, page=page, seq=seq, sub_block=sub_block)
     for name, fp8 in (("bf16", False), ("fp8", True)):
-        ms, moved = _case(batch=batch, tokens=1, kv_heads=kv_heads, head_dim=head_dim, page=page,
-                          seq=seq, fp8=fp8, sub_block=sub_block)
+        ms, moved = _case(batch=batch, tokens=1, fp8=fp8, **shape)
+        xla_ms = _case(batch=batch, tokens=1, fp8=fp8, implementation="xla", **shape)[0] if fp8 \
+            else None
         anchor_ms = decode_ms.get(name)
         suffix = f"-sub{sub_block}" if fp8 else ""
         rows.append(_bench.row(
@@ -101,12 +106,14 @@ def kv_write_rows(bw: dict, *, batch: int = 64, kv_heads: int = 8, head_dim: int
             ceiling=ceiling, anchor=None if anchor_ms is None else f"ours paged decode G4 {name}",
             anchor_ms=anchor_ms, goal="ms <= 0.05 * decode ms (same shape)",
             meets_goal=None if anchor_ms is None else ms <= 0.05 * anchor_ms,
-            write_share_of_decode=None if anchor_ms is None else round(ms / anchor_ms, 4)))
+            write_share_of_decode=None if anchor_ms is None else round(ms / anchor_ms, 4),
+            xla_ms=xla_ms))
     for name, fp8 in (("bf16", False), ("fp8", True)):
-        ms, moved = _case(batch=1, tokens=chunk, kv_heads=kv_heads, head_dim=head_dim, page=page,
-                          seq=seq, fp8=fp8, sub_block=sub_block)
+        ms, moved = _case(batch=1, tokens=chunk, fp8=fp8, **shape)
+        xla_ms = _case(batch=1, tokens=chunk, fp8=fp8, implementation="xla", **shape)[0] if fp8 \
+            else None
         rows.append(_bench.row(
             kernel="kv_write_prefill", case=f"B1-chunk{chunk}-K{kv_heads}-H{head_dim}-P{page}-"
             f"{name}", ms=ms, achieved=moved / ms / 1e9, unit="TB/s", ceiling=ceiling,
-            anchor=None, anchor_ms=None, goal="information", meets_goal=None))
+            anchor=None, anchor_ms=None, goal="information", meets_goal=None, xla_ms=xla_ms))
     return rows

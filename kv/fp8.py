@@ -7,8 +7,12 @@ consecutive tokens). Token `i` of a page uses scale `i // sub_block`. The stored
 
 Quantisation of one sub-block (amax over its tokens and features):
 
-    s = max(amax, AMAX_FLOOR) / 448
+    s = max(amax, AMAX_FLOOR) * INV_FP8_MAX      (INV_FP8_MAX = float32(1 / 448))
     q = clip(x / s, -448, 448).astype(float8_e4m3fn)
+
+The scale is a product with the float32 reciprocal, not a division by 448: compilers rewrite a
+division by a constant into that product or not (XLA on the CPU does), and the Triton write
+kernel (`kv.fp8_triton`) must give the same bits as this module.
 
 The clip comes before the cast because casting anything above 464 to e4m3 gives NaN (and `x / s`
 can round a hair above 448). `AMAX_FLOOR` keeps the scale a normal float32, so an all-zero
@@ -37,12 +41,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
+
+from attn._harness import resolve_implementation
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0
 # 448 * smallest normal float32: the smallest scale is then a normal float32 (no flush to zero).
 AMAX_FLOOR = FP8_MAX * float(jnp.finfo(jnp.float32).tiny)
+INV_FP8_MAX = float(np.float32(1.0 / FP8_MAX))  # exactly representable in float32
 DEFAULT_SUB_BLOCK = 16
 
 
@@ -71,8 +79,8 @@ def to_fp8(x: Float[Array, "..."], scale: Float[Array, "..."]) -> Array:
 
 
 def scale_from_amax(amax: Float[Array, "..."]) -> Float[Array, "..."]:
-    """Dequantisation scale `max(amax, AMAX_FLOOR) / 448` (float32)."""
-    return jnp.maximum(amax.astype(jnp.float32), AMAX_FLOOR) / FP8_MAX
+    """Dequantisation scale `max(amax, AMAX_FLOOR) * float32(1 / 448)` (float32)."""
+    return jnp.maximum(amax.astype(jnp.float32), AMAX_FLOOR) * jnp.float32(INV_FP8_MAX)
 
 
 @functools.partial(jax.jit, static_argnames=("sub_block", "axis"))
@@ -209,6 +217,8 @@ def quantize_tokens(
     x: Float[Array, "T K H"],
     page_ids: Int[Array, "T K"],
     offsets: Int[Array, " T"],
+    *,
+    implementation: str = "auto",
 ) -> tuple[Array, Float[Array, "K num_pages C"]]:
     """Append tokens to fp8 pages, re-quantising each touched sub-block (read-modify-write).
 
@@ -234,6 +244,8 @@ def quantize_tokens(
         tables); a negative id means "do not write" (padding) and touches nothing, page 0 included.
       offsets: `[T]` int32 slot of each token in its page (`position % P`); tokens with an offset
         outside `[0, P)` are not written.
+      implementation: `"xla"` (scatters), `"triton"` (`kv.fp8_triton`: one program per touched
+        sub-block, the pool aliased in place; same bits) or `"auto"` (Triton on a GPU).
 
     Returns:
       `(pages, scales)` updated; the caller may donate the inputs.
@@ -265,4 +277,8 @@ def quantize_tokens(
     if num_kv * num_pages * page >= 2**31:
         raise ValueError(f"pages.shape={pages.shape} has {num_kv * num_pages * page} token rows, "
                          f"more than int32 indices address; use fewer pages per pool")
+    if resolve_implementation(implementation, supported=("triton", "xla")) == "triton":
+        from kv import fp8_triton  # imports Triton, which only kernels need
+
+        return fp8_triton.quantize_tokens(pages, scales, x, page_ids, offsets)
     return _quantize_tokens(pages, scales, x, page_ids, offsets)

@@ -252,6 +252,8 @@ def write_kv(
     v: Float[Array, "B T K Hv"],
     offsets: Int[Array, "B"],  # noqa: F821
     num_new: Int[Array, "B"],  # noqa: F821
+    *,
+    implementation: str = "auto",
 ) -> PagePool:
     """Scatter new tokens' keys and values into their pages, by position.
 
@@ -274,6 +276,8 @@ def write_kv(
       v: `[B, T, K, Hv]` new values.
       offsets: `[B]` int, position of token 0 of each row (the row's cache length before).
       num_new: `[B]` int, real new tokens per row (0 for a padding row).
+      implementation: FP8 pools only: `fp8.quantize_tokens`' backend (`"auto"`: the Triton
+        read-modify-write kernel on a GPU). bf16 pools are always an XLA scatter.
 
     Returns:
       The updated `PagePool`.
@@ -302,9 +306,11 @@ def write_kv(
         page_ids = jnp.where(ok, page, UNALLOCATED).reshape(flat, num_kv)
         slots = slot.reshape(flat)
         k_pages, k_scale = fp8.quantize_tokens(
-            pool.k, pool.k_scale, k.reshape(flat, num_kv, -1), page_ids, slots)
+            pool.k, pool.k_scale, k.reshape(flat, num_kv, -1), page_ids, slots,
+            implementation=implementation)
         v_pages, v_scale = fp8.quantize_tokens(
-            pool.v, pool.v_scale, v.reshape(flat, num_kv, -1), page_ids, slots)
+            pool.v, pool.v_scale, v.reshape(flat, num_kv, -1), page_ids, slots,
+            implementation=implementation)
         return pool.replace(k=k_pages, v=v_pages, k_scale=k_scale, v_scale=v_scale)
     pid = jnp.where(ok, page, pool.num_pages)  # out of bounds: dropped
     kk = jnp.broadcast_to(jnp.arange(num_kv, dtype=jnp.int32), pid.shape)  # [B, T, K]

@@ -1,6 +1,8 @@
 """Block-wise FP8 pages: quantise / dequantise edge values, error bounds, the per-token oracle, and
 the read-modify-write token path."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -118,7 +120,10 @@ def _bytes(x):
 T_CHUNK = 2 * P + 3  # every quantize_tokens call pads to this many tokens: one compile
 
 
-def _write(pages, scales, x, page_ids, offsets, gen):
+IMPLEMENTATIONS = ("xla", "triton")  # the XLA scatters and kv.fp8_triton (interpreted on a CPU)
+
+
+def _write(pages, scales, x, page_ids, offsets, gen, implementation="xla"):
     """quantize_tokens with the call padded to T_CHUNK tokens by -1 (do not write) entries whose
     offsets and values are random."""
     pad = T_CHUNK - x.shape[0]
@@ -128,7 +133,7 @@ def _write(pages, scales, x, page_ids, offsets, gen):
                               gen.integers(-2, P + 2, pad).astype(np.int32)])
     perm = gen.permutation(T_CHUNK)  # padding anywhere in the chunk
     return fp8.quantize_tokens(pages, scales, x[perm], jnp.asarray(page_ids[perm]),
-                               jnp.asarray(offsets[perm]))
+                               jnp.asarray(offsets[perm]), implementation=implementation)
 
 
 def _stale_pool():
@@ -137,7 +142,8 @@ def _stale_pool():
     return pages, jnp.full((K, NUM_PAGES, P // 4), jnp.nan, jnp.float32)
 
 
-def test_write_whole_pages_in_one_call_equals_quantize():
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_write_whole_pages_in_one_call_equals_quantize(impl):
     """A chunk filling pages (tokens in random order, -1 padding mixed in) equals `quantize`;
     padding touches nothing, the null page 0 included; page ids collide across heads."""
     gen = rng()
@@ -146,7 +152,8 @@ def test_write_whole_pages_in_one_call_equals_quantize():
     tokens = randn(gen, (2 * P, K, H), scale=4.0)
     page_ids = np.repeat(ids, P, axis=0)  # [2P, K]
     offsets = np.tile(np.arange(P, dtype=np.int32), 2)
-    out_pages, out_scales = map(np.asarray, _write(pages, scales, tokens, page_ids, offsets, gen))
+    out_pages, out_scales = map(np.asarray, _write(pages, scales, tokens, page_ids, offsets, gen,
+                                                   impl))
     dense = tokens.reshape(2, P, K, H).transpose(2, 0, 1, 3)  # [K, 2, P, H]
     q, s = map(np.asarray, fp8.quantize(dense, 4))
     for k in range(K):
@@ -160,13 +167,14 @@ def test_write_whole_pages_in_one_call_equals_quantize():
     assert np.isnan(out_scales[~written]).all()
 
 
-def test_partial_write_zeroes_the_stale_tail_of_its_sub_block():
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_partial_write_zeroes_the_stale_tail_of_its_sub_block(impl):
     gen = rng()
     pages, scales = _stale_pool()
     n = 6  # sub-blocks of 4: [0, 4) full, [4, 8) half written, [8, 16) untouched
     x = randn(gen, (n, K, H))
     out_pages, out_scales = map(np.asarray, _write(pages, scales, x, np.full((n, K), 2),
-                                                   np.arange(n), gen))
+                                                   np.arange(n), gen, impl))
     expect = np.zeros((K, 2, P, H), np.float32)  # the pool's shape is compiled already
     expect[:, 0, :n] = np.asarray(x).transpose(1, 0, 2)
     q, s = map(np.asarray, fp8.quantize(jnp.asarray(expect), 4))
@@ -176,7 +184,8 @@ def test_partial_write_zeroes_the_stale_tail_of_its_sub_block():
     assert np.isnan(out_scales[:, 2, 2:]).all()
 
 
-def test_token_by_token_appends():
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_token_by_token_appends(impl):
     """Decode appends: error stays within one e4m3 rounding per scale increase, the final scale is
     the sub-block's amax / 448, and appends that do not raise the amax keep old bytes."""
     gen = rng()
@@ -189,7 +198,7 @@ def test_token_by_token_appends():
     x[n - 1] *= 1e-3  # the last append raises no amax
     for t in range(n):
         before = pages
-        pages, scales = _write(pages, scales, x[t:t + 1], table[t // P][None], [t % P], gen)
+        pages, scales = _write(pages, scales, x[t:t + 1], table[t // P][None], [t % P], gen, impl)
     pages, before, scales = np.asarray(pages), np.asarray(before), np.asarray(scales)
     kept = [(k, table[(n - 1) // P, k]) for k in range(K)]
     for k, pid in kept:  # the last append re-wrote its sub-block with an unchanged scale
@@ -211,6 +220,35 @@ def test_token_by_token_appends():
             sb_idx = start % P // sub_block
             np.testing.assert_allclose(scales[k, table[start // P, k], sb_idx], amax / 448,
                                        rtol=1e-5)
+
+
+@pytest.mark.parametrize("sub_block", [1, 4, 16], ids=lambda s: case_id(sb=s))
+def test_triton_write_equals_xla_bit_for_bit(sub_block):
+    """Random chunks over a filled pool (writes into the middle of sub-blocks, several tokens per
+    sub-block in any order, page ids shared across heads, padding and out-of-page offsets mixed
+    in): the kernel's pages and scales equal the XLA scatters', byte for byte."""
+    gen = rng()
+    pages, scales = fp8.quantize(randn(gen, (K, NUM_PAGES, P, H), scale=3.0), sub_block)
+    for step in range(3):
+        n = int(gen.integers(1, 2 * P))
+        offsets = gen.integers(0, P, n).astype(np.int32)
+        # Per head, the tokens that share a slot get distinct pages (page ids 1.. also collide
+        # across heads); a slot wanted more often than there are pages is not written.
+        page_ids = np.full((n, K), -1, np.int32)
+        for k in range(K):
+            for off in np.unique(offsets):
+                (tok,) = np.nonzero(offsets == off)
+                pages_k = gen.permutation(np.arange(1, NUM_PAGES))[:len(tok)]
+                page_ids[tok[:len(pages_k)], k] = pages_k
+        page_ids[gen.random((n, K)) < 0.15] = -1
+        offsets[gen.random(n) < 0.1] = P + 1  # outside the page: not written
+        x = randn(gen, (n, K, H), scale=float(gen.uniform(0.1, 10.0))).astype(jnp.bfloat16)
+        args = (x, jnp.asarray(page_ids), jnp.asarray(offsets))
+        xla = fp8.quantize_tokens(pages, scales, *args, implementation="xla")
+        tri = fp8.quantize_tokens(pages, scales, *args, implementation="triton")
+        np.testing.assert_array_equal(_bytes(tri[0]), _bytes(xla[0]), err_msg=f"{step=}")
+        np.testing.assert_array_equal(np.asarray(tri[1]), np.asarray(xla[1]), err_msg=f"{step=}")
+        pages, scales = xla
 
 
 def test_bad_input():
@@ -281,3 +319,28 @@ def test_cast_clips_before_e4m3():
     assert np.isnan(np.asarray(x.astype(jnp.float8_e4m3fn), np.float32)[0])
     np.testing.assert_array_equal(np.asarray(fp8.to_fp8(x, 1.0), np.float32),
                                   [448.0, -448.0, 448.0, np.float32(ml_dtypes.float8_e4m3fn(1e-3))])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 100], ids=["decode", "chunk"])
+def test_triton_write_compiled_on_gpu_equals_xla(tokens):
+    """Engine shapes (K8, H128, pages of 64, sub-blocks of 16, B64 rows at their own pages): one
+    decode token per row, or a 100-token chunk per row starting mid sub-block; the pool donated
+    so the aliased in-place path runs. Pages and scales equal the XLA scatters' bit for bit."""
+    num_kv, page, head_dim, batch, max_pages = 8, 64, 128, 64, 4
+    gen = rng()
+    pool = randn(gen, (num_kv, batch * max_pages + 1, page, head_dim), scale=2.0)
+    pages, scales = fp8.quantize(pool, 16)
+    pos = 37 + np.arange(tokens)  # [T] positions of every row's new tokens
+    rows = np.arange(batch)
+    page_ids = 1 + rows[:, None] * max_pages + pos[None, :] // page  # [B, T]
+    page_ids = np.broadcast_to(page_ids[..., None], (batch, tokens, num_kv)).reshape(-1, num_kv)
+    offsets = np.broadcast_to(pos % page, (batch, tokens)).reshape(-1).astype(np.int32)
+    x = randn(gen, (batch * tokens, num_kv, head_dim), scale=5.0).astype(jnp.bfloat16)
+    args = (x, jnp.asarray(page_ids, jnp.int32), jnp.asarray(offsets))
+    xla = fp8.quantize_tokens(pages, scales, *args, implementation="xla")
+    write = jax.jit(functools.partial(fp8.quantize_tokens, implementation="triton"),
+                    donate_argnums=(0, 1))
+    tri = write(jnp.copy(pages), jnp.copy(scales), *args)
+    np.testing.assert_array_equal(_bytes(tri[0]), _bytes(xla[0]))
+    np.testing.assert_array_equal(np.asarray(tri[1]), np.asarray(xla[1]))
