@@ -1,6 +1,6 @@
 """Triton causal depthwise conv1d prefill (state in, state out, packed sequences).
 
-Two kernels:
+Three kernels:
 
 * `_conv_prefill_kernel`, grid `(cdiv(tokens, BLOCK_T), cdiv(C, BLOCK_C))`: one program computes a
   `[BLOCK_T, BLOCK_C]` tile of `y` over the flattened token axis (`B · T` rows, or the packed row
@@ -9,6 +9,10 @@ Two kernels:
   input about once (memory-bound: `x` in, `y` out). A token whose tap reaches before its own
   sequence's start reads that sequence's initial state instead (or zero), so tiles may straddle
   sequence boundaries freely.
+* `_conv_state_fixup_kernel`, grid `(Ns, cdiv(C, BLOCK_C))`, only with an initial state and
+  `Config.state_pass` (default): rewrites `y` of the first `W - 1` tokens of each sequence, whose
+  taps reach into the state, so the main kernel reads no state and needs no registers for it
+  (otherwise a run-time branch of the main kernel does it).
 * `_conv_final_state_kernel`, grid `(Ns, cdiv(C, BLOCK_C))`: the last `W - 1` raw inputs of
   `concat(state, x)` per sequence (part of the old state when a sequence is shorter than `W - 1`).
 
@@ -46,6 +50,10 @@ class Config:
     block_t: int = 32
     block_c: int = 128
     num_warps: int = 4
+    # Initial states through a second, tiny kernel over the first W - 1 tokens of each sequence
+    # (`_conv_state_fixup_kernel`, which rewrites their `y`) instead of a branch in the main
+    # kernel: the main kernel then holds no registers for the state taps.
+    state_pass: bool = True
 
     def __post_init__(self):
         if self.block_t < 1 or self.block_t & (self.block_t - 1):
@@ -112,6 +120,54 @@ def _conv_prefill_kernel(
                 )
                 wj = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
                 acc += sj.to(tl.float32) * wj[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y_ptr + rows[:, None] + offs_c[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask_t[:, None] & mask_c[None, :])
+
+
+@triton.jit
+def _conv_state_fixup_kernel(
+    x_ptr,  # [N_TOK, C]
+    w_ptr,  # [C, W]
+    bias_ptr,  # [C] (a dummy unless HAS_BIAS)
+    cu_ptr,  # [Ns + 1] int32
+    state_ptr,  # [Ns, C, W - 1] in x's dtype
+    y_in_ptr,  # [N_TOK, C], aliased to y_ptr
+    y_ptr,  # [N_TOK, C]
+    C: tl.constexpr,
+    W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """`y` of the first W - 1 tokens of sequence `program_id(0)`, initial state included, in the
+    main kernel's order of operations (x taps, then state taps, then the bias)."""
+    i = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    pos = tl.arange(0, BLOCK_W)  # [BLOCK_W] position inside the sequence
+    mask_c = offs_c < C
+    start = tl.load(cu_ptr + i)
+    end = tl.load(cu_ptr + i + 1)
+    mask_t = (pos < W - 1) & (start + pos < end)
+    rows = (start + pos).to(tl.int64) * C
+    acc = tl.zeros((BLOCK_W, BLOCK_C), tl.float32)
+    for j in tl.static_range(W):
+        back = W - 1 - j
+        xj = tl.load(x_ptr + (rows - back * C)[:, None] + offs_c[None, :],
+                     mask=(mask_t & (pos >= back))[:, None] & mask_c[None, :], other=0.0)
+        wj = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
+        acc += xj.to(tl.float32) * wj[None, :]
+    for j in tl.static_range(W - 1):
+        back = W - 1 - j
+        sj = tl.load(state_ptr + (i.to(tl.int64) * (C * (W - 1)) + pos + j)[:, None]
+                     + offs_c[None, :] * (W - 1),
+                     mask=(mask_t & (pos < back))[:, None] & mask_c[None, :], other=0.0)
+        wj = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
+        acc += sj.to(tl.float32) * wj[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
     if SILU:
@@ -211,16 +267,28 @@ def _forward(x, weight, bias, initial_state, cu_seqlens, *, activation, config):
     xf = x.reshape(n_tok, c)
     block_c = min(config.block_c, max(16, triton.next_power_of_2(c)))
     block_t = min(config.block_t, triton.next_power_of_2(n_tok))
+    bias_arg = jnp.zeros((1,), jnp.float32) if bias is None else bias
     y = triton_call(
-        xf, weight, jnp.zeros((1,), jnp.float32) if bias is None else bias, seq, cu, state,
+        xf, weight, bias_arg, seq, cu, state,
         kernel=_conv_prefill_kernel,
         out_shape=jax.ShapeDtypeStruct((n_tok, c), x.dtype),
         grid=(triton.cdiv(n_tok, block_t), triton.cdiv(c, block_c)),
         num_warps=config.num_warps,
-        N_TOK=n_tok, T_ROW=t, C=c, W=w, HAS_BIAS=bias is not None, HAS_STATE=has_state,
-        VARLEN=cu_seqlens is not None, SILU=activation == "silu", BLOCK_T=block_t,
-        BLOCK_C=block_c,
+        N_TOK=n_tok, T_ROW=t, C=c, W=w, HAS_BIAS=bias is not None,
+        HAS_STATE=has_state and not config.state_pass, VARLEN=cu_seqlens is not None,
+        SILU=activation == "silu", BLOCK_T=block_t, BLOCK_C=block_c,
     )
+    if has_state and config.state_pass:
+        y = triton_call(
+            xf, weight, bias_arg, cu, state, y,
+            kernel=_conv_state_fixup_kernel,
+            out_shape=jax.ShapeDtypeStruct((n_tok, c), x.dtype),
+            grid=(n_seq, triton.cdiv(c, block_c)),
+            num_warps=config.num_warps,
+            input_output_aliases={5: 0},
+            C=c, W=w, HAS_BIAS=bias is not None, SILU=activation == "silu",
+            BLOCK_W=max(2, triton.next_power_of_2(w - 1)), BLOCK_C=block_c,
+        )
     final = triton_call(
         xf, cu, state,
         kernel=_conv_final_state_kernel,
