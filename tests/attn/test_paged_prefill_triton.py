@@ -15,6 +15,7 @@ import pytest
 
 import attn
 from attn import dense
+from attn._harness import triton_call
 from attn.dense import paged_prefill_attention
 from attn.dense import triton_paged as kernel
 from attn.paged_decode.reference import gather_pages
@@ -172,6 +173,124 @@ def test_bf16_default_config_and_uniform_window():
                                                    dtype=jnp.bfloat16, h=32, hv=24)
     _check(q, kp, vp, tables, off, lens, owned, config=None, dtype=jnp.bfloat16, window=40,
            sinks=3)
+
+
+# Page tiles: every page size against every key tile, both load paths. P % BLOCK_N == 0 takes
+# the one-id-per-tile block loads (unless page_tiles=False); BLOCK_N > P always gathers.
+TILE_GRID = [(p, bn) for p in (16, 32, 64, 128) for bn in (16, 32, 64)]
+
+
+def _owned_tokens(owned, tables, kv_lengths, p):
+    """`[K, pages, P]`: `owned`, less each row's tokens past its length in its last page (stale
+    slots a real pool may hold: poisoned, they prove the length mask covers the K/V loads)."""
+    keep = np.repeat(owned[:, :, None], p, axis=2)
+    tables = np.asarray(tables)
+    for r, length in enumerate(np.asarray(kv_lengths)):
+        for i, page in enumerate(tables[r, :, length // p] if length % p else ()):
+            if page >= 0:  # a -1 hole is no page at all
+                keep[i, page, length % p:] = False
+    return keep
+
+
+def _launch_recording(monkeypatch, *args, **kw):
+    """`kernel._launch` (un-jitted, so it traces every time) and the PAGE_TILES it launched."""
+    seen = []
+
+    def spy(*a, **meta):
+        seen.append(meta["PAGE_TILES"])
+        return triton_call(*a, **meta)
+
+    monkeypatch.setattr(kernel, "triton_call", spy)
+    out = kernel._launch(*args, **kw)
+    assert len(seen) == 1
+    return out, seen[0]
+
+
+@pytest.mark.parametrize("page_tiles", [True, False], ids=["page-tiles", "gather"])
+@pytest.mark.parametrize("p,bn", TILE_GRID, ids=[case_id(P=p, BN=bn) for p, bn in TILE_GRID])
+def test_page_tiles_grid(monkeypatch, p, bn, page_tiles):
+    """Window + sinks per (row, head), G in {1, 4, 5}, prefixes off the page and tile grid."""
+    gen = rng()
+    kh, g = 2, (1, 4, 5)[TILE_GRID.index((p, bn)) % 3]
+    q, kp, vp, tables, off, lens, owned = _problem(gen, t=19, prefixes=(150, 37), kh=kh, g=g, p=p)
+    window = np.array([[40, 0], [9, 70]], np.int32)  # row 0 head 0 skips the middle tiles
+    sinks = gen.integers(0, 24, (2, kh)).astype(np.int32)
+    # A -1 hole in row 0's full head, in tiles every query sees (the unmasked range): masked.
+    tables = np.asarray(tables).copy()
+    owned[1, tables[0, 1, 1]] = False
+    tables[0, 1, 1] = -1
+    tables = jnp.asarray(tables)
+    cfg = kernel.Config(block_m=32, block_n=bn, page_tiles=page_tiles)
+    keep = _owned_tokens(owned, tables, lens, p)
+    (out, lse), used = _launch_recording(
+        monkeypatch, q, poison(kp, keep), poison(vp, keep), tables, off, lens, window, sinks,
+        None, None, scale=0.3, config=cfg)
+    assert used == (page_tiles and p % bn == 0)
+    exp_out, exp_lse = paged_prefill_attention(q, kp, vp, tables, off, lens, scale=0.3,
+                                               window=window, sinks=sinks, implementation="xla")
+    assert_close(out, exp_out, atol=2e-5, rtol=2e-5, err_msg="out")
+    assert_close(lse, exp_lse, allow_neg_inf=True, err_msg="lse")
+
+
+FP8_GRID = [(16, 16, True), (16, 32, True), (32, 16, False), (64, 64, True), (64, 32, True),
+            (128, 64, False), (128, 16, True)]
+
+
+@pytest.mark.parametrize("p,bn,page_tiles", FP8_GRID,
+                         ids=[case_id(P=p, BN=bn) + ("-page-tiles" if pt else "-gather")
+                              for p, bn, pt in FP8_GRID])
+def test_page_tiles_fp8(monkeypatch, p, bn, page_tiles):
+    """FP8 pages with 8-token scale sub-blocks, so every key tile holds several: each of its
+    rows takes its own sub-block's scale, on both load paths; NaN scales of unowned pages stay
+    out."""
+    gen = rng()
+    kh, g = 2, 5 if page_tiles else 4
+    q, kp, vp, tables, off, lens, owned = _problem(gen, t=13, prefixes=(140, 29), kh=kh, g=g, p=p,
+                                                   dtype=jnp.bfloat16)
+    kq, ks = fp8.quantize(poison(kp, owned, 0.0), 8)
+    vq, vs = fp8.quantize(poison(vp, owned, 0.0), 8)
+    window, sinks = np.array([[33, 0], [0, 12]], np.int32), np.array([[4, 0], [0, 17]], np.int32)
+    cfg = kernel.Config(block_m=32, block_n=bn, page_tiles=page_tiles)
+    (out, lse), used = _launch_recording(
+        monkeypatch, q, kq, vq, tables, off, lens, window, sinks, poison(ks, owned),
+        poison(vs, owned), scale=0.25, config=cfg)
+    assert used == (page_tiles and p % bn == 0)
+    exp_out, exp_lse = paged_prefill_attention(q, kq, vq, tables, off, lens, scale=0.25,
+                                               window=window, sinks=sinks, k_scales=ks,
+                                               v_scales=vs, implementation="xla")
+    assert_close(out, exp_out, dtype=jnp.bfloat16)
+    assert_close(lse, exp_lse, dtype=jnp.bfloat16, allow_neg_inf=True)
+
+
+SKIP_GRID = [(32, 16), (32, 32), (64, 16), (64, 64), (128, 32), (128, 64)]
+
+
+@pytest.mark.parametrize("p,bn", SKIP_GRID, ids=[case_id(P=p, BN=bn) for p, bn in SKIP_GRID])
+def test_page_tiles_skip_whole_pages_outside_sink_and_window(p, bn):
+    """Pages of a streaming head that hold no key any query sees are NaN but keep their table ids
+    (stricter than the contract, which only promises -1 entries are masked). A visited tile's
+    masked V would still multiply p = 0 by NaN, so a finite output proves those tiles, hence
+    those whole pages, were never loaded: only sink and window tiles are."""
+    gen = rng()
+    t, prefix, kh = 12, 5 * p + 7, 2
+    q, kp, vp, tables, off, lens, owned = _problem(gen, t=t, prefixes=(prefix,), kh=kh, g=4, p=p)
+    window = np.array([[p // 2 + 3, 0]], np.int32)  # head 1: full, all its pages stay finite
+    sinks = np.array([[5, 0]], np.int32)
+    c = np.arange(int(lens[0]))
+    seen = (c <= prefix + t - 1) & ((c < sinks[0, 0]) | (c > prefix - window[0, 0]))
+    keep = owned.copy()
+    t0 = np.asarray(tables)[0, 0]
+    for j in range(-(-int(lens[0]) // p)):
+        keep[0, t0[j]] = seen[j * p:(j + 1) * p].any()
+    assert (~keep[0] & owned[0]).sum() >= 3  # the middle pages really are poisoned
+    cfg = kernel.Config(block_m=32, block_n=bn)
+    out, lse = kernel.paged_prefill_attention(q, poison(kp, keep), poison(vp, keep), tables, off,
+                                              lens, scale=0.3, window=window, sinks=sinks,
+                                              config=cfg)
+    exp_out, exp_lse = paged_prefill_attention(q, kp, vp, tables, off, lens, scale=0.3,
+                                               window=window, sinks=sinks, implementation="xla")
+    assert_close(out, exp_out)
+    assert_close(lse, exp_lse)
 
 
 def test_public_api_dispatch_gradient_and_auto_fallback(monkeypatch):
