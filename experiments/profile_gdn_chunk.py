@@ -4,6 +4,7 @@ kernels the time goes to, and how far each is from its bytes and FLOPs.
     python -m experiments.profile_gdn_chunk                       # B1 T32K and B8 T4K, Config()
     python -m experiments.profile_gdn_chunk --config solve=nested,out_bf16=1 --config decay_on_v=1
     python -m experiments.profile_gdn_chunk --quick               # tiny shapes, CPU interpreter
+    python -m experiments.profile_gdn_chunk --ptxas --config ...  # sm_90a registers, no GPU
 
 Shapes as `bench_gdn_prefill`'s gdn rows: Nk16, Nv32, H = Hv = 128, bf16 q / k / v, float32 g and
 beta, l2-norm in the kernels, no initial state (`--init` adds one). Every `--config` (a comma list
@@ -18,9 +19,9 @@ a warm-up, `block_until_ready` once per trial); `whole` is the jitted three-kern
   `GB_rr` adds the re-reads the grid implies (k per value head; w / k per state tile of
   `block_hv_state` value features, q / k per output tile): L2 absorbs part of those.
 - `GFLOP`: the matmuls as the kernel runs them: intra `K Kᵀ` 2C²H, the solve's [C, C] dots
-  (2C³ each: "subst" 15 + 4, "nested" 3 + 8), W and U 2C²(H + Hv); state `W S` and `Kᵀ V_new`
-  4CH·Hv; output `Q Kᵀ` 2C²H per value tile, `Q S` 2CH·Hv, `P V_new` 2C²Hv; per chunk and value
-  head.
+  (2C³ each: "subst" 15 + 4, "nested" 3 + 8, "stacked" 15 / 4 + 4), W and U 2C²(H + Hv);
+  state `W S` and `Kᵀ V_new` 4CH·Hv; output `Q Kᵀ` 2C²H per value tile, `Q S` 2CH·Hv,
+  `P V_new` 2C²Hv; per chunk and value head.
 - `TB/s` = GB / ms and `TFLOP/s` = GFLOP / ms: compare with the copy bandwidth (~3 TB/s on an
   H100) and the dense bf16 rate (~700 TFLOP/s; TF32 half that) to see which bound a kernel is
   far from.
@@ -49,7 +50,7 @@ CASES = ((1, 32768), (8, 4096))
 HEADS = dict(nk=16, nv=32, h=128, hv=128)
 QUICK_CASES = ((1, 130), (2, 64))
 QUICK_HEADS = dict(nk=1, nv=2, h=16, hv=32)
-SOLVE_DOTS = {"subst": 15 + 4, "subst_hoist": 15 + 4, "nested": 3 + 4 + 4}
+SOLVE_DOTS = {"subst": 15 + 4, "subst_hoist": 15 + 4, "nested": 3 + 4 + 4, "stacked": 15 / 4 + 4}
 
 
 def parse_config(text: str) -> tc.Config:
@@ -93,6 +94,7 @@ def cost(b: int, t: int, *, nk: int, nv: int, h: int, hv: int, config: tc.Config
     k_once, k_heads = n_tok * nk * h * in_bytes, n_tok * nv * h * in_bytes
     intra = n_tok * (per_h((nk, h)) * in_bytes + nv * hv * in_bytes + 2 * nv * f32)  # k v g beta
     intra += gcum + n_tok * nv * (h + hv) * inter  # gcum, w, u
+    intra += k_once if config.store_kn else 0  # the normalised keys (with l2-norm)
     intra_rr = intra - k_once + k_heads
     state = k_once + n_tok * nv * (h + hv) * inter + gcum  # k, w, u, gcum
     state += state_bytes * inter + n_tok * nv * hv * inter + b * nv * h * hv * f32  # hbuf, v_new
@@ -138,10 +140,10 @@ def profile_case(b, t, config, *, heads, init, timing, baseline=None, reference=
     intra, state, output = jax.jit(intra), jax.jit(state), jax.jit(output)
     tables = (x["cstart"], x["clen"])
     args = {"intra": (x["k2"], x["v2"], x["g2"], x["beta2"], *tables)}
-    gcum, w, u = jax.block_until_ready(intra(*args["intra"]))
-    args["state"] = (x["k2"], w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"])
+    gcum, w, u, kn = jax.block_until_ready(intra(*args["intra"]))
+    args["state"] = (kn, w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"])
     hbuf, v_new, final = jax.block_until_ready(state(*args["state"]))
-    args["output"] = (x["q2"], x["k2"], gcum, hbuf, v_new, *tables)
+    args["output"] = (x["q2"], kn, gcum, hbuf, v_new, *tables)
     o = output(*args["output"]).reshape(xs[2].shape)
     whole = jax.jit(lambda q, k, v, g, beta, h0: tc.gdn_chunked(
         q, k, v, g, beta, initial_state=h0, use_qk_l2norm=True, config=config))
@@ -184,6 +186,70 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
+# Run in a fresh interpreter: Triton must be imported before `attn` (which switches a CPU-only
+# process to the interpreter), so the kernels stay compilable. argv: the --config strings.
+_PTXAS_SCRIPT = """
+import os, subprocess, sys, tempfile
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from attn.gdn import triton_chunk as tc
+from experiments.profile_gdn_chunk import describe, parse_config
+
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+def report(fn, pointers, consts, warps, stages):
+    sig = dict(pointers, **{k: "constexpr" for k in consts})
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                         capture_output=True, text=True).stderr
+    os.unlink(f.name)
+    info = [line.split(":", 1)[-1].strip() for line in out.splitlines()
+            if "registers" in line or "spill" in line]
+    print(f"  {fn.fn.__name__:16s} warps={warps}  " + "; ".join(info), flush=True)
+
+bf, f32, i32 = "*bf16", "*fp32", "*i32"
+for text in sys.argv[1:]:
+    c = parse_config(text)
+    print(describe(c), flush=True)
+    common = dict(EPS=1e-6, L2NORM=True, F32=False, NK=16, NV=32, H=128, HV=128, BLOCK_H=128)
+    common.update(tc.kernel_options(c))
+    report(tc._intra_kernel,
+           dict(k_ptr=bf, v_ptr=bf, g_ptr=f32, beta_ptr=f32, cstart_ptr=i32, clen_ptr=i32,
+                gcum_ptr=f32, w_ptr=bf, u_ptr=bf, kn_ptr=bf),
+           dict(common, BT=64, BLOCK_HV=128, **tc.intra_options(c)), c.intra_warps, 1)
+    report(tc._state_kernel,
+           dict(k_ptr=bf, w_ptr=bf, u_ptr=bf, gcum_ptr=f32, cstart_ptr=i32, clen_ptr=i32,
+                sfirst_ptr=i32, scount_ptr=i32, h0_ptr=f32, hbuf_ptr=bf, vnew_ptr=bf,
+                final_ptr=f32),
+           dict(common, HAS_INIT=False, BT=64, BLOCK_HV=c.block_hv_state, **tc.state_options(c),
+                L2NORM=not c.store_kn),
+           c.num_warps, c.num_stages)
+    report(tc._output_kernel,
+           dict(q_ptr=bf, k_ptr=bf, gcum_ptr=f32, hbuf_ptr=bf, vnew_ptr=bf, cstart_ptr=i32,
+                clen_ptr=i32, o_ptr=bf),
+           dict(common, SCALE=128 ** -0.5, BT=64, BLOCK_HV=c.block_hv_out, **tc.output_options(c),
+                KNORM=not c.store_kn),
+           c.num_warps, c.num_stages)
+"""
+
+
+def ptxas_report(configs: list[str]) -> int:
+    """Compile the three kernels (bf16, the profile's heads) for sm_90a per config in a fresh
+    process (no GPU needed) and print ptxas's registers and spills."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return subprocess.run([sys.executable, "-c", _PTXAS_SCRIPT, *configs], env=env,
+                          check=False).returncode
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes, CPU interpreter")
@@ -193,7 +259,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--init", action="store_true", help="with an initial state")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--ptxas", action="store_true",
+                   help="no timing: ptxas registers / spills of Config() and each --config")
     args = p.parse_args(argv)
+    if args.ptxas:
+        ptxas_report([""] + args.config)
+        return []
     heads = QUICK_HEADS if args.quick else HEADS
     cases = QUICK_CASES if args.quick else CASES
     if args.cases:

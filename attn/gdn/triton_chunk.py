@@ -46,7 +46,7 @@ from attn.gdn.reference import L2NORM_EPS
 
 CHUNK = 64
 _SUB = 16  # rows of the blocks the (I + A)⁻¹ solve works on; CHUNK == 4 * _SUB
-SOLVES = ("subst", "subst_hoist", "nested")
+SOLVES = ("subst", "subst_hoist", "nested", "stacked")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,11 +71,21 @@ class Config:
     # `solve`: "subst" (15 forward-substitution dots inside the 16-row blocks, then the 4-block
     # merge: 19 [C, C] dots), "subst_hoist" (the same, the dot's A operand loop-invariant: its
     # per-step row mask moved to the result, same values), "nested" (forward substitution in
-    # 4-row blocks, merged to 16 and then to 64 rows: 3 + 4 + 4 = 11 dots).
+    # 4-row blocks, merged to 16 and then to 64 rows: 3 + 4 + 4 = 11 dots), "stacked" (as
+    # "subst_hoist" with the 16-row blocks' inverse kept as [C, 16]: 15 [C, C] x [C, 16] dots,
+    # then the merge's 4).
     solve: str = "subst"
     solve_bf16: bool = False  # the solve's dots with bf16 operands (float32 accumulation)
     out_bf16: bool = False  # output kernel dots with bf16 operands (fla's), exp(G) after Q S
     decay_on_v: bool = False  # state update scales V_new's rows [C, BLOCK_HV], not K [C, H]
+    # int32 per-element offsets after an int64 per-chunk base (fewer registers and 64-bit
+    # multiplies in the address tiles; the same addresses).
+    i32_offsets: bool = False
+    # With l2-norm: the intra kernel also writes the normalised keys [B·T, Nk, H] (v's dtype;
+    # +2 bytes per key element written) and the state and output kernels read them instead of
+    # normalising k again; with `decay_on_v` (state) / `out_bf16` (output) and bf16 inputs they
+    # go into the dots as loaded.
+    store_kn: bool = False
 
     def __post_init__(self):
         if self.solve not in SOLVES:
@@ -97,19 +107,24 @@ def _dot_lp(a, b, F32: tl.constexpr):
     """Product of input-sized operands: 3-pass TF32 for float32 inputs (`F32`), else both rounded to
     bf16 (tensor cores at full rate, float32 accumulation), as fla does."""
     if F32:
-        return tl.dot(a, b, input_precision="tf32x3")
-    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        out = tl.dot(a, b, input_precision="tf32x3")
+    else:
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return out
 
 
 @triton.jit
 def _sdot(a, b, F32: tl.constexpr, LP: tl.constexpr):
     """A solve / output product: 3-pass TF32 for float32 inputs (`F32`), bf16 operands with
-    float32 accumulation if `LP`, TF32 otherwise."""
+    float32 accumulation if `LP`, TF32 otherwise. (One return: the compiler traces the
+    statements after a constexpr-taken `return` too.)"""
     if F32:
-        return tl.dot(a, b, input_precision="tf32x3")
-    if LP:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    return tl.dot(a, b, input_precision="tf32")
+        out = tl.dot(a, b, input_precision="tf32x3")
+    elif LP:
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    return out
 
 
 @triton.jit
@@ -132,6 +147,24 @@ def _block_subst(a, r, eye, SB: tl.constexpr, HOIST: tl.constexpr, F32: tl.const
 
 
 @triton.jit
+def _block_subst_stacked(a, r, SB: tl.constexpr, BT: tl.constexpr, F32: tl.constexpr,
+                         LP: tl.constexpr):
+    """`_block_subst` (hoisted) with the inverse kept as its SB × SB diagonal blocks stacked,
+    `d[r, c] = D[r, SB (r // SB) + c]` `[BT, SB]`: each step one `[BT, BT] × [BT, SB]` dot (a
+    quarter of the square one's work, a quarter of its operand shuffles); expanded to the
+    block-diagonal `[BT, BT]` at the end."""
+    same = (r[:, None] // SB) == (r[None, :] // SB)
+    a_diag = tl.where(same, a, 0.0)
+    c = tl.arange(0, SB)
+    d = tl.where((r % SB)[:, None] == c[None, :], 1.0, 0.0)
+    for i in range(1, SB):
+        sel = (r % SB == i)[:, None]
+        d = tl.where(sel, d - _sdot(a_diag, d, F32, LP), d)
+    full = tl.reshape(tl.broadcast_to(d[:, None, :], (BT, BT // SB, SB)), (BT, BT))
+    return tl.where(same, full, 0.0)
+
+
+@triton.jit
 def _block_merge(a, d, r, eye, INNER: tl.constexpr, F32: tl.constexpr, LP: tl.constexpr):
     """`(I + A)⁻¹` on the 4·INNER-row diagonal blocks from `d`, the inverse on the INNER-row ones:
     with `N = D A_off` (A_off: A inside the outer blocks, off the inner ones; strictly
@@ -143,19 +176,45 @@ def _block_merge(a, d, r, eye, INNER: tl.constexpr, F32: tl.constexpr, LP: tl.co
 
 
 @triton.jit
-def _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS: tl.constexpr, L2NORM: tl.constexpr,
-               NK: tl.constexpr, H: tl.constexpr):
-    """`[rows, BLOCK_H]` float32 keys of key head kh at tokens `tok` (zero rows where not valid)."""
-    k = tl.load(k_ptr + (tok * NK + kh)[:, None] * H + offs_h[None, :],
-                mask=valid[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
-    if L2NORM:
-        k = k * tl.math.rsqrt(tl.sum(k * k, axis=1) + EPS)[:, None]
+def _tile(ptr, start, r, I32: tl.constexpr, head, offs, NH: tl.constexpr, D: tl.constexpr):
+    """Pointers `[start + r, offs]` of head `head` in a token-major `[N_TOK, NH, D]` tensor;
+    `I32`: one int64 scalar base, int32 per-element offsets (same addresses)."""
+    if I32:
+        p = (ptr + (start.to(tl.int64) * NH + head) * D) + ((r * (NH * D))[:, None]
+                                                            + offs[None, :])
+    else:
+        p = ptr + ((start + r).to(tl.int64) * NH + head)[:, None] * D + offs[None, :]
+    return p
+
+
+@triton.jit
+def _col(ptr, start, r, I32: tl.constexpr, head, NH: tl.constexpr):
+    """Pointers `[start + r]` of head `head` in a token-major `[N_TOK, NH]` tensor."""
+    if I32:
+        p = (ptr + (start.to(tl.int64) * NH + head)) + r * NH
+    else:
+        p = ptr + (start + r).to(tl.int64) * NH + head
+    return p
+
+
+@triton.jit
+def _load_keys(k_ptr, start, r, I32: tl.constexpr, valid, kh, offs_h, mask_h, EPS: tl.constexpr,
+               L2NORM: tl.constexpr, NK: tl.constexpr, H: tl.constexpr, RAW: tl.constexpr = False):
+    """`[rows, BLOCK_H]` float32 keys of key head kh at tokens `start + r` (zero rows where not
+    valid); `RAW`: as stored (no cast, no l2-norm), for a dot that takes them as they are."""
+    k = tl.load(_tile(k_ptr, start, r, I32, kh, offs_h, NK, H),
+                mask=valid[:, None] & mask_h[None, :], other=0.0)
+    if not RAW:
+        k = k.to(tl.float32)
+        if L2NORM:
+            k = k * tl.math.rsqrt(tl.sum(k * k, axis=1) + EPS)[:, None]
     return k
 
 
 @triton.jit
-def _store_rows(ptr, tok, valid, head, offs, mask, x, NV: tl.constexpr, D: tl.constexpr):
-    tl.store(ptr + (tok * NV + head)[:, None] * D + offs[None, :], x.to(ptr.dtype.element_ty),
+def _store_rows(ptr, start, r, I32: tl.constexpr, valid, head, offs, mask, x, NV: tl.constexpr,
+                D: tl.constexpr):
+    tl.store(_tile(ptr, start, r, I32, head, offs, NV, D), x.to(ptr.dtype.element_ty),
              mask=valid[:, None] & mask[None, :])
 
 
@@ -170,9 +229,11 @@ def _intra_kernel(
     gcum_ptr,  # [N_TOK, NV] float32, out
     w_ptr,  # [N_TOK, NV, H], out
     u_ptr,  # [N_TOK, NV, HV], out
+    kn_ptr,  # [N_TOK, NK, H] the l2-normalised keys, out if STORE_KN (else a dummy)
     EPS: tl.constexpr,
     L2NORM: tl.constexpr,
     F32: tl.constexpr,
+    I32: tl.constexpr,
     NK: tl.constexpr,
     NV: tl.constexpr,
     H: tl.constexpr,
@@ -180,7 +241,9 @@ def _intra_kernel(
     BT: tl.constexpr,
     SUB: tl.constexpr,
     HOIST: tl.constexpr,
+    STACKED: tl.constexpr,
     SOLVE_LP: tl.constexpr,
+    STORE_KN: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
 ):
@@ -196,13 +259,15 @@ def _intra_kernel(
     mask_v = offs_v < HV
     r = tl.arange(0, BT)
     valid = r < n
-    tok = (start + r).to(tl.int64)
 
-    k = _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)  # [BT, BLOCK_H]
-    beta = tl.load(beta_ptr + tok * NV + head, mask=valid, other=0.0).to(tl.float32)  # [BT]
-    gc = tl.cumsum(tl.load(g_ptr + tok * NV + head, mask=valid, other=0.0).to(tl.float32),
-                   axis=0)  # G, chunk-local; padding rows add g = 0
-    tl.store(gcum_ptr + tok * NV + head, gc, mask=valid)
+    k = _load_keys(k_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
+    beta = tl.load(_col(beta_ptr, start, r, I32, head, NV), mask=valid, other=0.0).to(tl.float32)
+    gc = tl.cumsum(tl.load(_col(g_ptr, start, r, I32, head, NV), mask=valid,
+                           other=0.0).to(tl.float32), axis=0)  # G, chunk-local; padding adds 0
+    tl.store(_col(gcum_ptr, start, r, I32, head, NV), gc, mask=valid)
+    if STORE_KN:  # by the first value head of each key head
+        _store_rows(kn_ptr, start, r, I32, valid & (head % (NV // NK) == 0), kh, offs_h, mask_h,
+                    k, NK, H)
 
     # A = StrictLower((β K Kᵀ) ⊙ L), [BT, BT]; the mask comes before the exp (no overflow).
     lower = r[:, None] > r[None, :]
@@ -212,19 +277,22 @@ def _intra_kernel(
     # inverse D), then merged by fours (`_block_merge`) up to BT rows: SUB = 16 one merge,
     # SUB = 4 ("nested") two.
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    d = _block_subst(a, r, eye, SUB, HOIST, F32, SOLVE_LP)
+    if STACKED:
+        d = _block_subst_stacked(a, r, SUB, BT, F32, SOLVE_LP)
+    else:
+        d = _block_subst(a, r, eye, SUB, HOIST, F32, SOLVE_LP)
     if SUB == 4:
         d = _block_merge(a, d, r, eye, 4, F32, SOLVE_LP)
     t_inv = _block_merge(a, d, r, eye, 16, F32, SOLVE_LP)  # [BT, BT]
 
     # k and v are (re)loaded here, not kept through the solve: fewer live registers (L2 hits).
-    k = _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
+    k = _load_keys(k_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
     w = _dot_lp(t_inv, k * (beta * tl.exp(gc))[:, None], F32)  # W = T (β K ⊙ exp(G))
-    _store_rows(w_ptr, tok, valid, head, offs_h, mask_h, w, NV, H)
-    v = tl.load(v_ptr + (tok * NV + head)[:, None] * HV + offs_v[None, :],  # [BT, BLOCK_HV]
+    _store_rows(w_ptr, start, r, I32, valid, head, offs_h, mask_h, w, NV, H)
+    v = tl.load(_tile(v_ptr, start, r, I32, head, offs_v, NV, HV),  # [BT, BLOCK_HV]
                 mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
     u = _dot_lp(t_inv, v * beta[:, None], F32)  # U = T (β V)
-    _store_rows(u_ptr, tok, valid, head, offs_v, mask_v, u, NV, HV)
+    _store_rows(u_ptr, start, r, I32, valid, head, offs_v, mask_v, u, NV, HV)
 
 
 @triton.jit
@@ -244,6 +312,7 @@ def _state_kernel(
     EPS: tl.constexpr,
     L2NORM: tl.constexpr,
     F32: tl.constexpr,
+    I32: tl.constexpr,
     HAS_INIT: tl.constexpr,
     DECAY_V: tl.constexpr,
     NK: tl.constexpr,
@@ -279,18 +348,19 @@ def _state_kernel(
         tl.store(hbuf_ptr + (ci.to(tl.int64) * NV + head) * (H * HV) + tile,
                  s.to(hbuf_ptr.dtype.element_ty), mask=mask)
         valid = r < n
-        tok = (start + r).to(tl.int64)
-        w = tl.load(w_ptr + (tok * NV + head)[:, None] * H + offs_h[None, :],  # [BT, BLOCK_H]
+        w = tl.load(_tile(w_ptr, start, r, I32, head, offs_h, NV, H),  # [BT, BLOCK_H]
                     mask=valid[:, None] & mask_h[None, :], other=0.0)
-        u = tl.load(u_ptr + (tok * NV + head)[:, None] * HV + offs_v[None, :],  # [BT, BLOCK_HV]
+        u = tl.load(_tile(u_ptr, start, r, I32, head, offs_v, NV, HV),  # [BT, BLOCK_HV]
                     mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
         v_new = u - _dot_lp(w, s, F32)  # [BT, BLOCK_HV]
-        _store_rows(vnew_ptr, tok, valid, head, offs_v, mask_v, v_new, NV, HV)
+        _store_rows(vnew_ptr, start, r, I32, valid, head, offs_v, mask_v, v_new, NV, HV)
         if not F32:
             v_new = v_new.to(vnew_ptr.dtype.element_ty).to(tl.float32)  # what the output reads
-        gc = tl.load(gcum_ptr + tok * NV + head, mask=valid, other=0.0)  # [BT]
+        gc = tl.load(_col(gcum_ptr, start, r, I32, head, NV), mask=valid, other=0.0)  # [BT]
         g_last = tl.load(gcum_ptr + (start + n - 1).to(tl.int64) * NV + head)
-        k = _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)  # [BT, BLOCK_H]
+        # Keys stored normalised (bf16) go into the dot as loaded when nothing scales them.
+        k = _load_keys(k_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H,
+                       DECAY_V and not (L2NORM or F32))
         if DECAY_V:  # the decay on V_new's [BT, BLOCK_HV] rows (fla's), not on K's [BT, BLOCK_H]
             v_new = v_new * tl.exp(g_last - gc)[:, None]
         else:
@@ -313,7 +383,9 @@ def _output_kernel(
     EPS: tl.constexpr,
     L2NORM: tl.constexpr,
     F32: tl.constexpr,
+    I32: tl.constexpr,
     OUT_LP: tl.constexpr,
+    KNORM: tl.constexpr,
     NK: tl.constexpr,
     NV: tl.constexpr,
     H: tl.constexpr,
@@ -333,15 +405,15 @@ def _output_kernel(
     mask_v = offs_v < HV
     r = tl.arange(0, BT)
     valid = r < n
-    tok = (start + r).to(tl.int64)
 
-    q = _load_keys(q_ptr, tok, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H) * SCALE
-    k = _load_keys(k_ptr, tok, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)  # [BT, BLOCK_H]
-    gc = tl.load(gcum_ptr + tok * NV + head, mask=valid, other=0.0)  # [BT]
+    q = _load_keys(q_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H) * SCALE
+    k = _load_keys(k_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, KNORM, NK, H,
+                   OUT_LP and not (KNORM or F32))
+    gc = tl.load(_col(gcum_ptr, start, r, I32, head, NV), mask=valid, other=0.0)  # [BT]
     s = tl.load(  # [BLOCK_H, BLOCK_HV], the state entering the chunk
         hbuf_ptr + (ci.to(tl.int64) * NV + head) * (H * HV) + offs_h[:, None] * HV
         + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0)
-    v_new = tl.load(vnew_ptr + (tok * NV + head)[:, None] * HV + offs_v[None, :],
+    v_new = tl.load(_tile(vnew_ptr, start, r, I32, head, offs_v, NV, HV),
                     mask=valid[:, None] & mask_v[None, :], other=0.0)
     if not OUT_LP:  # else they stay in their stored dtype: bf16 dot operands as they are
         s = s.to(tl.float32)
@@ -354,7 +426,7 @@ def _output_kernel(
     else:
         o = _sdot(q * tl.exp(gc)[:, None], s, F32, OUT_LP)
     o += _sdot(scores, v_new, F32, OUT_LP)  # [BT, BLOCK_HV]
-    _store_rows(o_ptr, tok, valid, head, offs_v, mask_v, o, NV, HV)
+    _store_rows(o_ptr, start, r, I32, valid, head, offs_v, mask_v, o, NV, HV)
 
 
 def _chunk_tables(b: int, t: int, cu_seqlens):
@@ -443,10 +515,31 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_qk_l2nor
     intra, state, output, x = stages(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
                                      use_qk_l2norm=use_qk_l2norm, config=config)
     tables = (x["cstart"], x["clen"])
-    gcum, w, u = intra(x["k2"], x["v2"], x["g2"], x["beta2"], *tables)
-    hbuf, v_new, final = state(x["k2"], w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"])
-    o = output(x["q2"], x["k2"], gcum, hbuf, v_new, *tables)
+    gcum, w, u, kn = intra(x["k2"], x["v2"], x["g2"], x["beta2"], *tables)
+    hbuf, v_new, final = state(kn, w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"])
+    o = output(x["q2"], kn, gcum, hbuf, v_new, *tables)
     return o.reshape(v.shape), final
+
+
+def kernel_options(config: Config) -> dict:
+    """Constexprs every kernel takes from `config`."""
+    return dict(I32=config.i32_offsets)
+
+
+def intra_options(config: Config) -> dict:
+    """`_intra_kernel`'s constexprs from `config` (STORE_KN: `stages` turns it off without
+    l2-norm)."""
+    return dict(SUB=4 if config.solve == "nested" else _SUB, HOIST=config.solve == "subst_hoist",
+                STACKED=config.solve == "stacked", SOLVE_LP=config.solve_bf16,
+                STORE_KN=config.store_kn)
+
+
+def state_options(config: Config) -> dict:
+    return dict(DECAY_V=config.decay_on_v)
+
+
+def output_options(config: Config) -> dict:
+    return dict(OUT_LP=config.out_bf16)
 
 
 def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
@@ -455,10 +548,11 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
     `experiments/profile_gdn_chunk.py` times them one by one).
 
     Returns:
-      `(intra, state, output, x)`: `intra(k2, v2, g2, beta2, cstart, clen) -> (gcum, w, u)`,
-      `state(k2, w, u, gcum, cstart, clen, sfirst, scount, h0) -> (hbuf, v_new, final)`,
-      `output(q2, k2, gcum, hbuf, v_new, cstart, clen) -> o [B·T, Nv, Hv]`, and `x` the flattened
-      inputs and chunk tables by those names.
+      `(intra, state, output, x)`: `intra(k2, v2, g2, beta2, cstart, clen) -> (gcum, w, u, kn)`,
+      `state(kn, w, u, gcum, cstart, clen, sfirst, scount, h0) -> (hbuf, v_new, final)`,
+      `output(q2, kn, gcum, hbuf, v_new, cstart, clen) -> o [B·T, Nv, Hv]`, and `x` the flattened
+      inputs and chunk tables by those names. `kn` is the l2-normalised keys with
+      `config.store_kn` and l2-norm, else `k2` itself.
     """
     bsz, t, nk, h = q.shape
     nv, hv = v.shape[2:]
@@ -477,23 +571,26 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
              h0=initial_state.astype(jnp.float32) if has_init else jnp.zeros((1,), jnp.float32))
     block_h = max(16, triton.next_power_of_2(h))
     block_hv = max(16, triton.next_power_of_2(hv))
-    common = dict(EPS=L2NORM_EPS, L2NORM=bool(use_qk_l2norm), F32=f32, NK=nk, NV=nv, H=h, HV=hv,
-                  BLOCK_H=block_h)
+    l2 = bool(use_qk_l2norm)
+    store_kn = config.store_kn and l2
+    common = dict(EPS=L2NORM_EPS, L2NORM=l2, F32=f32, NK=nk, NV=nv, H=h, HV=hv, BLOCK_H=block_h,
+                  **kernel_options(config))
 
     def intra(k2, v2, g2, beta2, cstart, clen):
-        return triton_call(
+        out = triton_call(
             k2, v2, g2, beta2, cstart, clen,
             kernel=_intra_kernel,
             out_shape=(jax.ShapeDtypeStruct((n_tok, nv), jnp.float32),
                        jax.ShapeDtypeStruct((n_tok, nv, h), inter),
-                       jax.ShapeDtypeStruct((n_tok, nv, hv), inter)),
+                       jax.ShapeDtypeStruct((n_tok, nv, hv), inter),
+                       jax.ShapeDtypeStruct((n_tok, nk, h) if store_kn else (1,), inter)),
             grid=(n_chunks, nv),
             num_warps=config.intra_warps,
             num_stages=1,
-            BT=CHUNK, SUB=4 if config.solve == "nested" else _SUB,
-            HOIST=config.solve == "subst_hoist", SOLVE_LP=config.solve_bf16, BLOCK_HV=block_hv,
+            BT=CHUNK, BLOCK_HV=block_hv, **dict(intra_options(config), STORE_KN=store_kn),
             **common,
         )
+        return (*out[:3], out[3] if store_kn else k2)
 
     def state(k2, w, u, gcum, cstart, clen, sfirst, scount, h0):
         bv = min(config.block_hv_state, block_hv)
@@ -506,7 +603,8 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
             grid=(n_seq, nv, triton.cdiv(hv, bv)),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
-            HAS_INIT=has_init, DECAY_V=config.decay_on_v, BT=CHUNK, BLOCK_HV=bv, **common,
+            HAS_INIT=has_init, BT=CHUNK, BLOCK_HV=bv, **state_options(config),
+            **dict(common, L2NORM=l2 and not store_kn),
         )
 
     def output(q2, k2, gcum, hbuf, v_new, cstart, clen):
@@ -518,7 +616,8 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
             grid=(n_chunks, nv, triton.cdiv(hv, bv)),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
-            SCALE=float(scale), OUT_LP=config.out_bf16, BT=CHUNK, BLOCK_HV=bv, **common,
+            SCALE=float(scale), KNORM=l2 and not store_kn, BT=CHUNK, BLOCK_HV=bv,
+            **output_options(config), **common,
         )
 
     return intra, state, output, x

@@ -365,9 +365,13 @@ def test_chunked_compiled_on_gpu_at_model_dims(varlen):
 
 # The speed options of `triton_chunk.Config` (defaults off): each alone and all together.
 SPEED_OPTIONS = [
-    dict(solve="subst_hoist"), dict(solve="nested"), dict(solve_bf16=True), dict(out_bf16=True),
-    dict(decay_on_v=True),
-    dict(solve="nested", solve_bf16=True, out_bf16=True, decay_on_v=True, block_hv_out=16),
+    dict(solve="subst_hoist"), dict(solve="nested"), dict(solve="stacked"), dict(solve_bf16=True),
+    dict(out_bf16=True), dict(decay_on_v=True), dict(i32_offsets=True), dict(store_kn=True),
+    dict(store_kn=True, decay_on_v=True, out_bf16=True),  # normalised keys straight into dots
+    dict(solve="nested", solve_bf16=True, out_bf16=True, decay_on_v=True, block_hv_out=16,
+         i32_offsets=True, store_kn=True),
+    dict(solve="stacked", out_bf16=True, decay_on_v=True, i32_offsets=True, store_kn=True,
+         block_hv_state=16),
 ]
 SPEED_IDS = [case_id(**o) for o in SPEED_OPTIONS]
 
@@ -454,16 +458,18 @@ def test_profile_gdn_chunk_quick_runs_and_counts():
     b, t, heads = 2, 70, dict(nk=1, nv=2, h=16, hv=32)
     gen = rng()
     xs, h0 = _chunk_problem(gen, b=b, t=t, **heads, dtype=jnp.bfloat16)
-    config = chunk_kernel.Config(block_hv_state=32, block_hv_out=32, solve="nested")
+    config = chunk_kernel.Config(block_hv_state=32, block_hv_out=32, solve="nested",
+                                 store_kn=True)
     intra, state, output, x = chunk_kernel.stages(*xs, h0, use_qk_l2norm=True, config=config)
     tables = (x["cstart"], x["clen"])
     ins = {"intra": (x["k2"], x["v2"], x["g2"], x["beta2"])}
     outs = {"intra": intra(*ins["intra"], *tables)}
-    gcum, w, u = outs["intra"]
-    ins["state"] = (x["k2"], w, u, gcum, x["h0"])
-    outs["state"] = state(x["k2"], w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"])
+    gcum, w, u, kn = outs["intra"]
+    assert kn.shape == x["k2"].shape and kn is not x["k2"]
+    ins["state"] = (kn, w, u, gcum, x["h0"])
+    outs["state"] = state(kn, w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"])
     hbuf, v_new, _ = outs["state"]
-    ins["output"] = (x["q2"], x["k2"], gcum, hbuf, v_new)
+    ins["output"] = (x["q2"], kn, gcum, hbuf, v_new)
     outs["output"] = (output(*ins["output"], *tables),)
     counts = prof.cost(b, t, config=config, has_init=True, **heads)
     for name in ("intra", "state", "output"):
