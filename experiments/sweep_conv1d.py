@@ -2,8 +2,9 @@
 
     python -m experiments.sweep_conv1d [--configs 32-128-4-1,64-128-8-1,...] [--quick]
 
-A config is `block_t-block_c-num_warps-state_pass`. Case: B1, T32K, C = 8192 (Qwen3.5's conv
-dim), W4, bf16, SiLU, an initial state: the `causal_conv1d` row of `experiments.bench_prefill`.
+A config is `block_t-block_c-num_warps-state_pass[-stream_store]`. Case: B1, T32K, C = 8192
+(Qwen3.5's conv dim), W4, bf16, SiLU, an initial state: the `causal_conv1d` row of
+`experiments.bench_prefill`.
 Prints one line per config (ms, TB/s, fraction of copy, max |y - first config's y|); writes
 nothing. `--quick` runs a tiny case through the interpreter (for CI).
 """
@@ -19,13 +20,14 @@ import numpy as np
 from attn.conv1d import triton_prefill as conv
 from experiments import _bench
 
-DEFAULT_CONFIGS = ("32-128-4-0,32-128-4-1,64-128-8-1,16-256-4-1,32-256-8-1,64-64-4-1,"
-                   "128-64-8-1,16-128-2-1,8-512-4-1")
+DEFAULT_CONFIGS = ("32-128-4-1,8-512-4-1,8-512-4-1-1,4-1024-4-1,4-1024-8-1,8-1024-8-1,"
+                   "16-512-8-1,8-256-2-1,4-512-2-1,16-128-2-1-1,2-1024-2-1")
 
 
 def _config(text: str) -> conv.Config:
-    t, c, w, p = (int(v) for v in text.split("-"))
-    return conv.Config(block_t=t, block_c=c, num_warps=w, state_pass=bool(p))
+    t, c, w, p, *stream = (int(v) for v in text.split("-"))
+    return conv.Config(block_t=t, block_c=c, num_warps=w, state_pass=bool(p),
+                       stream_store=bool(stream and stream[0]))
 
 
 def main(argv=None) -> None:

@@ -54,6 +54,8 @@ class Config:
     # (`_conv_state_fixup_kernel`, which rewrites their `y`) instead of a branch in the main
     # kernel: the main kernel then holds no registers for the state taps.
     state_pass: bool = True
+    # Store `y` with `evict_first` (streaming: y does not push the input's halo rows out of L2).
+    stream_store: bool = False
 
     def __post_init__(self):
         if self.block_t < 1 or self.block_t & (self.block_t - 1):
@@ -83,6 +85,7 @@ def _conv_prefill_kernel(
     SILU: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    STREAM_STORE: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
@@ -125,7 +128,8 @@ def _conv_prefill_kernel(
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(y_ptr + rows[:, None] + offs_c[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mask_t[:, None] & mask_c[None, :])
+             mask=mask_t[:, None] & mask_c[None, :],
+             eviction_policy="evict_first" if STREAM_STORE else "")
 
 
 @triton.jit
@@ -277,6 +281,7 @@ def _forward(x, weight, bias, initial_state, cu_seqlens, *, activation, config):
         N_TOK=n_tok, T_ROW=t, C=c, W=w, HAS_BIAS=bias is not None,
         HAS_STATE=has_state and not config.state_pass, VARLEN=cu_seqlens is not None,
         SILU=activation == "silu", BLOCK_T=block_t, BLOCK_C=block_c,
+        STREAM_STORE=config.stream_store,
     )
     if has_state and config.state_pass:
         y = triton_call(
