@@ -57,6 +57,10 @@ class Config:
     bwd_block_n: int = 64
     bwd_num_warps: int = 8
     bwd_num_stages: int = 2
+    # Forward key loop as `tl.range(..., warp_specialize=True)`: Triton's Hopper pass splits it
+    # into producer (loads) and consumer (dots, softmax) warp groups. Experimental: timed by
+    # `experiments.bench_prefill --sweep` (config suffix `-ws`), off by default.
+    warp_specialize: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(
@@ -148,13 +152,14 @@ def _fwd_visit(
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
     offs_hv = tl.arange(0, BLOCK_HV)
     mask_h = offs_h < H
     mask_hv = offs_hv < HV
-    for start in range(lo, hi, BLOCK_N):
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start = tl.multiple_of(start, BLOCK_N)
         cols = start + offs_n  # [BLOCK_N] key positions
         k_ptrs = k_base + cols[:, None] * (K * H) + offs_h[None, :]  # [BLOCK_N, BLOCK_H]
@@ -208,6 +213,7 @@ def _flash_fwd_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     # Heads vary fastest (programs in flight share K/V in L2); the last query tiles, which see
     # the most keys under a causal mask, start first so the short ones fill the tail.
@@ -253,7 +259,7 @@ def _flash_fwd_kernel(
                            PRECISION)
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_lo, full_hi, kv_len, win,
                            sinks, SCALE_LOG2, K, H, HV, CAUSAL, False, BLOCK_N, BLOCK_H, BLOCK_HV,
-                           PRECISION)
+                           PRECISION, WARP_SPECIALIZE)
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_hi, end, kv_len, win, sinks,
                            SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
                            PRECISION)
@@ -575,7 +581,7 @@ def _forward(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, con
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         SCALE_LOG2=scale * LOG2E, CAUSAL=causal, NUM_M=num_m, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, **dims,
+        BLOCK_N=config.block_n, WARP_SPECIALIZE=config.warp_specialize, **dims,
     )
 
 
