@@ -46,24 +46,34 @@ _MAX_HEAD_DIM = 256
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-    """Launch configuration: `block_m` folded rows x `block_n` keys per step."""
+    """Launch configuration: `block_m` folded rows x `block_n` keys per step. `num_stages` is the
+    pipeline depth of the page-tile path, `gather_num_stages` that of the token-gather path (its
+    per-token index registers stay live across stages)."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
+    gather_num_stages: int = 2
     # Where a key tile lies in one page (P % block_n == 0), read its page id once and load K / V
     # as contiguous [block_n, H] blocks; False (or smaller pages) gathers token by token.
     page_tiles: bool = True
 
     def __post_init__(self):
-        _checks.check_launch_config(self, tiles=("block_m", "block_n"))
+        _checks.check_launch_config(self, tiles=("block_m", "block_n"),
+                                    stages=("num_stages", "gather_num_stages"))
+
+    def uses_page_tiles(self, page_size: int) -> bool:
+        """Whether pages of `page_size` tokens take the page-tile path under this config."""
+        return self.page_tiles and page_size % self.block_n == 0
 
 
 def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
-    """The dense forward's Hopper tiles (128 rows x 64 keys, 8 warps) with 2 stages: the gathered
-    loads keep index registers live. Wide heads (> 128) take 32-key tiles. Not yet timed on the
-    GPU: `python -m experiments.bench_sparse_prefill` decides."""
+    """The dense forward's Hopper tiles (128 rows x 64 keys, 8 warps, 3 stages) for page tiles
+    (ptxas for sm_90a at H = 128, P = 64: 215 registers, no spills, 128 KiB shared), 2 stages
+    on the gather path (pages under 64 tokens). Wide heads (> 128) take 32-key tiles and 2 stages
+    so the K/V stages fit in shared memory. Not yet timed on the GPU:
+    `python -m experiments.bench_prefill --rows paged_prefill` decides."""
     if max(head_dim, value_head_dim or head_dim) > 128:
         return Config(block_m=128, block_n=32, num_warps=8, num_stages=2)
     return Config()
@@ -110,13 +120,19 @@ def _paged_visit(
     # (int32; the tile's int64 base is a scalar), so a step costs one table read and one add.
     k_offs = offs_n[:, None] * H + offs_h[None, :]  # [BLOCK_N, BLOCK_H]
     v_offs = offs_n[:, None] * HV + offs_hv[None, :]  # [BLOCK_N, BLOCK_HV]
+    if PAGE_TILES:
+        # Each step reads the next tile's page id, a step ahead: the K / V block addresses then
+        # hang on a loop-carried scalar, not on a load in flight, and the software pipeliner
+        # issues them stages ahead. Entries below hi <= MAX_PAGES * P exist; -1: the null page.
+        next_page = tl.load(table_row + lo // P, mask=lo < hi, other=-1)
     for start in range(lo, hi, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
         cols = start + offs_n  # [BLOCK_N] key positions
         in_kv = cols < kv_len
         if PAGE_TILES:  # the tile lies in one page (P % BLOCK_N == 0): one id, one block
-            # start < end <= MAX_PAGES * P, so the entry exists; -1: the null page, masked.
-            page = tl.load(table_row + start // P)
+            page = next_page
+            next_page = tl.load(table_row + (start + BLOCK_N) // P, mask=start + BLOCK_N < hi,
+                                other=-1)
             page_ok = page >= 0
             first = (kh * NUM_PAGES + tl.maximum(page, 0)).to(tl.int64) * P + start % P
             ok = in_kv & page_ok  # [BLOCK_N]
@@ -149,9 +165,11 @@ def _paged_visit(
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
         if MASKED:
             visible = ok[None, :] & _visible(cols[None, :], pos[:, None], kv_len, win, sinks, True)
+            s = tl.where(visible, qk * SCALE_LOG2, float("-inf"))
+        elif PAGE_TILES:  # every row sees the tile unless its page is -1: a scalar bias (an FMA)
+            s = qk * SCALE_LOG2 + tl.where(page_ok, 0.0, float("-inf"))
         else:  # every row sees the tile's positions; only unallocated pages drop out
-            visible = ok[None, :]
-        s = tl.where(visible, qk * SCALE_LOG2, float("-inf"))
+            s = tl.where(ok[None, :], qk * SCALE_LOG2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
         p = tl.exp2(s - m_use[:, None])
@@ -293,13 +311,13 @@ def _launch(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sin
                    jax.ShapeDtypeStruct((b, t, n), jnp.float32)),
         grid=(num_m * b * kh,),
         num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=config.num_stages if config.uses_page_tiles(p) else config.gather_num_stages,
         SCALE_LOG2=scale * LOG2E, B=b, T=t, K=kh, G=g, H=h, HV=hv, P=p, NUM_PAGES=num_pages,
         MAX_PAGES=block_tables.shape[-1], SUB=p // k_scales.shape[-1] if fp8 else p, FP8=fp8,
         NUM_M=num_m, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_HV=max(16, triton.next_power_of_2(hv)),
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
-        PAGE_TILES=config.page_tiles and p % config.block_n == 0,
+        PAGE_TILES=config.uses_page_tiles(p),
     )
 
 
