@@ -372,6 +372,8 @@ def test_validation_errors():
         kernel.Config(block_m=48)
     with pytest.raises(ValueError, match="num_warps"):
         kernel.Config(num_warps=3)
+    with pytest.raises(ValueError, match="gather_num_stages=0"):
+        kernel.Config(gather_num_stages=0)
 
 
 # GPU: realistic shapes, bf16 / fp8 pages against the float32 reference.
@@ -410,5 +412,44 @@ def test_gpu_matches_reference(name, g):
     out8, _ = kernel.paged_prefill_attention(q, kq, vq, tables, off, lens, k_scales=ks,
                                              v_scales=vs, **opts)
     exp8, _ = paged_prefill_attention(f32["q"], kq, vq, tables, off, lens, k_scales=ks,
+                                      v_scales=vs, implementation="xla", **opts)
+    assert_close(out8, exp8, dtype=jnp.bfloat16)
+
+
+# (page size, config): the default (page tiles, 3 stages), the gather path at the same size, key
+# tiles of a whole page, tiles of half a page, a wide-page pool.
+GPU_TILE_CASES = {
+    "P64-default": (64, None),
+    "P64-gather": (64, kernel.Config(page_tiles=False)),
+    "P128-BN128": (128, kernel.Config(block_n=128, num_stages=2)),
+    "P64-BN32": (64, kernel.Config(block_n=32)),
+    "P256-default": (256, None),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_TILE_CASES))
+def test_gpu_page_tiles(name):
+    """Both load paths compiled: bf16 and fp8 pages, window + sinks, G = 5, lengths off the grid."""
+    p, cfg = GPU_TILE_CASES[name]
+    gen = rng()
+    kh, g = 2, 5
+    q, kp, vp, tables, off, lens, owned = _problem(
+        gen, t=700, prefixes=(3001, 130), kh=kh, g=g, h=128, hv=128, p=p, dtype=jnp.bfloat16)
+    keep = _owned_tokens(owned, tables, lens, p)
+    window, sinks = np.array([[900, 0], [0, 64]], np.int32), np.array([[7, 0], [0, 3]], np.int32)
+    opts = dict(scale=128**-0.5, window=window, sinks=sinks)
+    out, lse = kernel.paged_prefill_attention(q, poison(kp, keep), poison(vp, keep), tables, off,
+                                              lens, config=cfg, **opts)
+    f32 = [x.astype(jnp.float32) for x in (q, kp, vp)]
+    exp_out, exp_lse = paged_prefill_attention(*f32, tables, off, lens, implementation="xla",
+                                               **opts)
+    assert_close(out, exp_out, dtype=jnp.bfloat16)
+    assert_close(lse, exp_lse, atol=1e-2, rtol=1e-3, allow_neg_inf=True)
+    kq, ks = fp8.quantize(poison(kp, keep, 0.0), 16)
+    vq, vs = fp8.quantize(poison(vp, keep, 0.0), 16)
+    out8, _ = kernel.paged_prefill_attention(q, kq, vq, tables, off, lens, k_scales=ks,
+                                             v_scales=vs, config=cfg, **opts)
+    exp8, _ = paged_prefill_attention(f32[0], kq, vq, tables, off, lens, k_scales=ks,
                                       v_scales=vs, implementation="xla", **opts)
     assert_close(out8, exp8, dtype=jnp.bfloat16)
