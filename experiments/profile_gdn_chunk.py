@@ -227,9 +227,9 @@ for text in sys.argv[1:]:
            dict(k_ptr=bf, w_ptr=bf, u_ptr=bf, gcum_ptr=f32, cstart_ptr=i32, clen_ptr=i32,
                 sfirst_ptr=i32, scount_ptr=i32, h0_ptr=f32, hbuf_ptr=bf, vnew_ptr=bf,
                 final_ptr=f32),
-           dict(common, HAS_INIT=False, BT=64, BLOCK_HV=c.block_hv_state, **tc.state_options(c),
-                L2NORM=not c.store_kn),
-           c.num_warps, c.num_stages)
+           dict(common, HAS_INIT=False, BT=64, BLOCK_HV=c.block_hv_state,
+                **tc.state_options(c, 32768), L2NORM=not c.store_kn),
+           tc.state_launch(c)["num_warps"], tc.state_launch(c)["num_stages"])
     report(tc._output_kernel,
            dict(q_ptr=bf, k_ptr=bf, gcum_ptr=f32, hbuf_ptr=bf, vnew_ptr=bf, cstart_ptr=i32,
                 clen_ptr=i32, o_ptr=bf),
@@ -239,15 +239,19 @@ for text in sys.argv[1:]:
 """
 
 
-def ptxas_report(configs: list[str]) -> int:
+def ptxas_report(configs: list[str], capture: bool = False):
     """Compile the three kernels (bf16, the profile's heads) for sm_90a per config in a fresh
-    process (no GPU needed) and print ptxas's registers and spills."""
+    process (no GPU needed) and print ptxas's registers and spills.
+
+    Returns:
+      the `subprocess.CompletedProcess` (its stdout / stderr text if `capture`).
+    """
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("JAX_PLATFORMS", "cpu")
     return subprocess.run([sys.executable, "-c", _PTXAS_SCRIPT, *configs], env=env,
-                          check=False).returncode
+                          check=False, capture_output=capture, text=True)
 
 
 def main(argv=None) -> list[dict]:
@@ -263,7 +267,8 @@ def main(argv=None) -> list[dict]:
                    help="no timing: ptxas registers / spills of Config() and each --config")
     args = p.parse_args(argv)
     if args.ptxas:
-        ptxas_report([""] + args.config)
+        if ptxas_report([""] + args.config).returncode:
+            raise SystemExit("ptxas report failed")
         return []
     heads = QUICK_HEADS if args.quick else HEADS
     cases = QUICK_CASES if args.quick else CASES

@@ -86,6 +86,12 @@ class Config:
     # normalising k again; with `decay_on_v` (state) / `out_bf16` (output) and bf16 inputs they
     # go into the dots as loaded.
     store_kn: bool = False
+    # Without cu_seqlens the state kernel computes each chunk's first token and length from its
+    # index (no two dependent table loads per step of its sequential loop).
+    affine_state: bool = False
+    # The state kernel's launch on its own (0: `num_warps` / `num_stages`, as the output kernel).
+    state_warps: int = 0
+    state_stages: int = 0
 
     def __post_init__(self):
         if self.solve not in SOLVES:
@@ -94,12 +100,16 @@ class Config:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 16")
-        for name in ("num_warps", "intra_warps"):
+        for name in ("num_warps", "intra_warps", "state_warps"):
             value = getattr(self, name)
+            if name == "state_warps" and value == 0:
+                continue
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 1")
         if self.num_stages < 1:
             raise ValueError(f"{self.num_stages=} must be >= 1")
+        if self.state_stages < 0:
+            raise ValueError(f"{self.state_stages=} must be >= 0 (0: num_stages)")
 
 
 @triton.jit
@@ -314,6 +324,7 @@ def _state_kernel(
     F32: tl.constexpr,
     I32: tl.constexpr,
     HAS_INIT: tl.constexpr,
+    T_ROW: tl.constexpr,
     DECAY_V: tl.constexpr,
     NK: tl.constexpr,
     NV: tl.constexpr,
@@ -343,8 +354,12 @@ def _state_kernel(
     count = tl.load(scount_ptr + seq)
     for c in range(0, count):
         ci = first + c
-        start = tl.load(cstart_ptr + ci)
-        n = tl.load(clen_ptr + ci)
+        if T_ROW > 0:  # B rows of T_ROW tokens: the chunk from its index, no table loads
+            start = seq * T_ROW + c * BT
+            n = tl.minimum(T_ROW - c * BT, BT)
+        else:
+            start = tl.load(cstart_ptr + ci)
+            n = tl.load(clen_ptr + ci)
         tl.store(hbuf_ptr + (ci.to(tl.int64) * NV + head) * (H * HV) + tile,
                  s.to(hbuf_ptr.dtype.element_ty), mask=mask)
         valid = r < n
@@ -534,8 +549,14 @@ def intra_options(config: Config) -> dict:
                 STORE_KN=config.store_kn)
 
 
-def state_options(config: Config) -> dict:
-    return dict(DECAY_V=config.decay_on_v)
+def state_options(config: Config, t_row: int = 0) -> dict:
+    """`_state_kernel`'s constexprs from `config`; `t_row` the row length without cu_seqlens."""
+    return dict(DECAY_V=config.decay_on_v, T_ROW=t_row if config.affine_state else 0)
+
+
+def state_launch(config: Config) -> dict:
+    return dict(num_warps=config.state_warps or config.num_warps,
+                num_stages=config.state_stages or config.num_stages)
 
 
 def output_options(config: Config) -> dict:
@@ -601,9 +622,9 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
                        jax.ShapeDtypeStruct((n_tok, nv, hv), inter),
                        jax.ShapeDtypeStruct((n_seq, nv, h, hv), jnp.float32)),
             grid=(n_seq, nv, triton.cdiv(hv, bv)),
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            HAS_INIT=has_init, BT=CHUNK, BLOCK_HV=bv, **state_options(config),
+            **state_launch(config),
+            HAS_INIT=has_init, BT=CHUNK, BLOCK_HV=bv,
+            **state_options(config, t if cu_seqlens is None else 0),
             **dict(common, L2NORM=l2 and not store_kn),
         )
 

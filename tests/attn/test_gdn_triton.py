@@ -371,7 +371,8 @@ SPEED_OPTIONS = [
     dict(solve="nested", solve_bf16=True, out_bf16=True, decay_on_v=True, block_hv_out=16,
          i32_offsets=True, store_kn=True),
     dict(solve="stacked", out_bf16=True, decay_on_v=True, i32_offsets=True, store_kn=True,
-         block_hv_state=16),
+         block_hv_state=16, affine_state=True, state_warps=4, state_stages=1),
+    dict(affine_state=True),
 ]
 SPEED_IDS = [case_id(**o) for o in SPEED_OPTIONS]
 
@@ -435,6 +436,26 @@ def test_chunked_speed_options_bf16_varlen_with_states(opts):
 def test_chunked_config_rejects_unknown_solve():
     with pytest.raises(ValueError, match="solve"):
         chunk_kernel.Config(solve="cholesky")
+    with pytest.raises(ValueError, match="state_warps"):
+        chunk_kernel.Config(state_warps=3)
+    with pytest.raises(ValueError, match="state_stages"):
+        chunk_kernel.Config(state_stages=-1)
+
+
+def test_chunked_speed_options_compile_for_sm90():
+    """The interpreter runs Python semantics; Triton's compiler traces more (e.g. the statements
+    after a constexpr-taken `return`). Every option must compile for sm_90a (Triton's bundled
+    ptxas, no GPU) at the model's heads: `profile_gdn_chunk --ptxas` on two configs that
+    together set every option."""
+    from experiments import profile_gdn_chunk as prof
+
+    configs = ["solve=nested,solve_bf16=1,out_bf16=1,decay_on_v=1,i32_offsets=1,store_kn=1",
+               "solve=stacked,affine_state=1,state_warps=4,state_stages=1"]
+    done = prof.ptxas_report(configs, capture=True)
+    if "No such file" in done.stderr or "FileNotFoundError" in done.stderr:
+        pytest.skip("Triton's bundled ptxas is missing")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("registers") == 3 * len(configs), done.stdout
 
 
 def test_profile_gdn_chunk_quick_runs_and_counts():
