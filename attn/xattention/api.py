@@ -41,6 +41,7 @@ def xattn_estimate(
     q_lengths: Int[Array, " B"] | None = None,
     kv_lengths: Int[Array, " B"] | None = None,
     implementation: str = "auto",
+    fp8: bool = False,
 ) -> tuple[Float[Array, "B N Tb Sb"], Bool[Array, "B N Tb Sb"]]:
     """XAttention block importance (antidiagonal strided scoring) and its threshold block mask.
 
@@ -67,6 +68,9 @@ def xattn_estimate(
         log-sum-exps per key block, then a small kernel combining them into block sums; scratch
         capped by `Config.scratch_bytes`; the selection in XLA; not differentiable) or `"auto"`
         (the kernel on a GPU).
+      fp8: score q and k rounded to e4m3 (one power-of-two scale per head and `stride` tokens,
+        `attn.xattention.triton.quantize_e4m3`): the kernel's GEMM then runs on the fp8 tensor
+        cores (`Config.fp8`); `"xla"` scores the same rounded values in float32.
 
     Returns:
       `(block_sums [B, N, Tb, Sb] float32, block_mask [B, N, Tb, Sb] bool)`, `Tb = ceil(T /
@@ -94,10 +98,20 @@ def xattn_estimate(
         try:  # refuses unsupported shapes before launching anything
             return kernel.xattn_estimate(
                 q, k, block_size=block_size, stride=stride, threshold=threshold, norm=norm,
-                q_lengths=q_lengths, kv_lengths=kv_lengths)
+                q_lengths=q_lengths, kv_lengths=kv_lengths,
+                config=kernel.Config(fp8=True) if fp8 else None)
         except NotImplementedError:
             if implementation == "triton":
                 raise
+    if fp8:  # the same rounding as the kernel's, scored in float32
+        from attn.block_sparse.reference import _lengths
+        from attn.xattention import triton as kernel
+
+        b, t, s = q.shape[0], q.shape[1], k.shape[1]
+        q = kernel.dequantize_e4m3(*kernel.quantize_e4m3(q, _lengths(q_lengths, t, b), stride),
+                                   stride)
+        k = kernel.dequantize_e4m3(*kernel.quantize_e4m3(k, _lengths(kv_lengths, s, b), stride),
+                                   stride)
     return _estimate(
         q, k, block_size=block_size, stride=stride, threshold=jnp.float32(threshold),
         norm=jnp.float32(norm), chunk_size=chunk_size, q_lengths=q_lengths, kv_lengths=kv_lengths)

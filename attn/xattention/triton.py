@@ -29,6 +29,23 @@ Visibility in reduced coordinates (as the reference): column `c` of row `m` coun
 get no mass; queries past `q_len` and keys past `kv_len` read as 0 (never loaded). `norm` is a
 run-time value folded into the score scale, `log2(e) / sqrt(H) / st / norm`.
 
+`Config.fp8` (off by default) runs the GEMM on the e4m3 tensor cores (Hopper: twice bf16's
+rate). `quantize_e4m3` (XLA, before the launch) rounds q and k to e4m3 with one power-of-two
+scale per (head, group of `st` consecutive tokens), so per (head, reduced row) for q and per (KV
+head, reduced column) for k, `amax / scale` in (224, 448]; tokens past the lengths become 0.
+The e4m3 arrays keep the `[B, T, N, H]` / `[B, S, K, H]` layouts, so the kernel's gathers are
+unchanged and both dot operands are K-major (the features contiguous; `tl.trans(k)` is a view),
+which the fp8 wgmma needs for its shared-memory B operand. The dot is `tl.dot(q8, k8ᵀ)` with
+f32 accumulation (Triton's default on sm_90: the tensor cores' fast fp8 accumulation, no
+promotion); the two scales multiply the f32 scores before the softmax; everything after is the
+bf16 path's. Products of e4m3 values and power-of-two scales are exact in f32, so the result
+is the bf16 kernel's on the dequantised `q̂, k̂` up to summation order (what the CPU tests check,
+as Triton 3.6's interpreter widens fp8 dot operands to f16, exactly). Rounding error: an
+element moves by at most `2^-4` of itself plus `2^-10` of its scale (subnormals), so a score
+`Σ q_i k_i` by at most about `2^-3 Σ|q_i k_i|`; with independent rounding errors the typical
+move is ~`0.04 sqrt(Σ q_i² k_i²)`. The quantisation is XLA work before the launch (an amax
+reduction and a scaled cast: q and k read about twice, written once in e4m3).
+
 Supports: any group size, `H` up to 256 (padded to a power of two and masked), bf16 / f16 / f32
 (f32 with IEEE dots, for tests), power-of-two block sizes and strides (as the API requires).
 Not differentiable (a mask estimate). Not supported (NotImplementedError, so
@@ -79,11 +96,15 @@ class Config:
     num_warps: int = 8
     num_stages: int = 3
     scratch_bytes: int = 1 << 30
+    # q and k rounded to e4m3 (`quantize_e4m3`), the GEMM on the fp8 tensor cores.
+    fp8: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_r", "block_c", "block_k"))
         if self.scratch_bytes <= 0:
             raise ValueError(f"scratch_bytes={self.scratch_bytes} must be positive")
+        if self.fp8 and self.block_k < 32:  # an fp8 MMA reduces over 32 elements
+            raise ValueError(f"block_k={self.block_k} must be >= 32 with fp8")
 
 
 @triton.jit
@@ -97,6 +118,8 @@ def _tile_lse_kernel(
     cols_ptr,  # [B] int32 ceil(kv_len / st): reduced columns of real keys
     tiles_ptr,  # [num_tiles, 2] int32 (row tile counted from the last valid row, column tile)
     scale_ptr,  # [1] f32 log2(e) / sqrt(H) / st / norm
+    q_scale_ptr,  # [B, N, MQ] f32 e4m3 scale per reduced row (FP8; else unused)
+    k_scale_ptr,  # [B, K, MC] f32 e4m3 scale per reduced column (FP8; else unused)
     bn0_ptr,  # [1] int32 first flat (request, head) pair of this launch
     lse_ptr,  # [BN, RT, SB] f32 scratch: log2-sum-exp2 per (reduced row, key block)
     T: tl.constexpr,
@@ -113,6 +136,7 @@ def _tile_lse_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     N: tl.constexpr = K * G
     CB: tl.constexpr = BLOCK_C // R  # key blocks per tile
@@ -167,7 +191,16 @@ def _tile_lse_kernel(
 
         vis = ((cols[None, :] <= m[:, None] + shift) & (cols < valid_cols)[None, :]
                & row_ok[:, None])
-        a = tl.where(vis, acc * tl.load(scale_ptr), float("-inf"))  # [BLOCK_R, BLOCK_C] base 2
+        if FP8:  # the e4m3 scales of the tile's rows and columns
+            MQ: tl.constexpr = (T + ST - 1) // ST
+            MC: tl.constexpr = (S + ST - 1) // ST
+            qs = tl.load(q_scale_ptr + bn * MQ + m, mask=row_ok, other=0.0)
+            ks = tl.load(k_scale_ptr + (b * K + kh) * MC + cols, mask=cols < valid_cols,
+                         other=0.0)
+            acc = acc * (qs * tl.load(scale_ptr))[:, None] * ks[None, :]
+        else:
+            acc = acc * tl.load(scale_ptr)
+        a = tl.where(vis, acc, float("-inf"))  # [BLOCK_R, BLOCK_C] base 2
         mx = tl.max(a, 1)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
         p = tl.exp2(a - mx[:, None])
@@ -238,6 +271,32 @@ def check_supported(q) -> None:
                                   f"supported by the Triton XAttention estimate")
 
 
+E4M3_MAX = 448.0
+
+
+def quantize_e4m3(x, lengths, stride):
+    """`x [B, L, heads, H]` rounded to e4m3 with one power-of-two scale per (request, head,
+    `stride` consecutive tokens): returns `(x8 [B, L, heads, H] float8_e4m3fn, scale [B, heads,
+    ceil(L / stride)] float32)`, `x ≈ x8 · scale`. A group's `amax / scale` lies in (224, 448]
+    (an all-zero group gets scale 1); tokens at or past `lengths [B]` are read as 0 (they may
+    hold NaN). Rounding to nearest even, as `cvt.rn.satfinite` on the GPU."""
+    b, l, heads, h = x.shape
+    keep = (jnp.arange(l)[None, :] < lengths[:, None])[:, :, None, None]
+    x = jnp.where(keep, x.astype(jnp.float32), 0.0)
+    groups = reference._pad_to(x, 1, stride).reshape(b, -1, stride, heads, h)
+    amax = jnp.max(jnp.abs(groups), axis=(2, 4))  # [B, L / st, heads]
+    scale = jnp.exp2(jnp.ceil(jnp.log2(jnp.where(amax > 0, amax, E4M3_MAX) / E4M3_MAX)))
+    per_token = jnp.repeat(1.0 / scale, stride, axis=1)[:, :l, :, None]  # powers of two: exact
+    x8 = jnp.clip(x * per_token, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return x8, scale.transpose(0, 2, 1)
+
+
+def dequantize_e4m3(x8, scale, stride):
+    """`x8 · scale` in float32 (exact), the inverse layout of `quantize_e4m3`."""
+    per_token = jnp.repeat(scale.transpose(0, 2, 1), stride, axis=1)[:, :x8.shape[1]]
+    return x8.astype(jnp.float32) * per_token[..., None]
+
+
 @functools.cache
 def _tile_table(num_row_tiles: int, cols: int, block_r: int, block_c: int) -> np.ndarray:
     """`[num_tiles, 2]` int32 (row tile i counted from the last valid row, column tile j): the
@@ -265,13 +324,22 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
     geometry = (_cdiv(kv_len - q_len, stride), _cdiv(q_len, stride), _cdiv(kv_len, stride))
     scale = jnp.reshape(LOG2E / math.sqrt(h) / stride / jnp.asarray(norm, jnp.float32), (1,))
     qb = max(1, min(triton.next_power_of_2(tb), _FIXUP_ROWS // r))  # query tiles per program
+    if config.fp8:
+        if stride * block_h < 32:  # an fp8 MMA reduces over 32 elements
+            raise NotImplementedError(f"fp8 needs stride * H >= 32, got {stride} * {h}")
+        q, q_scale = quantize_e4m3(q, q_len, stride)
+        k, k_scale = quantize_e4m3(k, kv_len, stride)
+        precision = "tf32"  # unused by fp8 dots
+    else:
+        q_scale = k_scale = jnp.zeros((1,), jnp.float32)
+        precision = "ieee" if q.dtype == jnp.float32 else "tf32"
     pairs_per_launch = max(1, min(b * n, _MAX_GRID_Y, config.scratch_bytes // (tb * r * sb * 4)))
     parts = []
     for bn0 in range(0, b * n, pairs_per_launch):
         count = min(pairs_per_launch, b * n - bn0)
         first = jnp.full((1,), bn0, jnp.int32)
         lse = triton_call(
-            q, k, q_len, kv_len, *geometry, jnp.asarray(tiles), scale, first,
+            q, k, q_len, kv_len, *geometry, jnp.asarray(tiles), scale, q_scale, k_scale, first,
             kernel=_tile_lse_kernel,
             out_shape=jax.ShapeDtypeStruct((count, tb * r, sb), jnp.float32),
             grid=(tiles.shape[0], count),
@@ -279,7 +347,7 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
             num_stages=config.num_stages,
             T=t, S=s, K=kh, G=n // kh, H=h, ST=stride, R=r, RT=tb * r, SB=sb,
             BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_K=block_k, BLOCK_H=block_h,
-            PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+            PRECISION=precision, FP8=config.fp8,
         )
         parts.append(triton_call(
             lse, *geometry, first,

@@ -4,17 +4,22 @@ NaN-poisoned; the masks must match the reference's exactly (float32 sums agree t
 threshold selection sees the same order). Every tile shape of `SWEEP` (the configurations the GPU
 sweep tries) runs in at least one interpreted case."""
 
+import dataclasses
 import itertools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import attn
+from attn._harness import triton_call
+from attn.xattention import reference, xattn_estimate
 from attn.xattention import triton as kernel
-from attn.xattention import xattn_estimate
 from tests.utils import assert_close, poison, randn, rng
+
+triton, tl = kernel.triton, kernel.tl  # imported by `attn` first (interpreter set-up)
 
 C = kernel.Config
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -29,6 +34,12 @@ SWEEP = {
     "64x128x64-w4-s3": C(block_r=64, num_warps=4),
     "256x128x64-w8-s3": C(block_r=256),
     "128x256x64-w8-s3": C(block_c=256),
+    # e4m3 operands: a 128-feature slice is one 128-byte row per token (the wgmma's 128-byte
+    # swizzle), the same shared memory as bf16 at 64; more stages fit at 64.
+    "fp8-128x128x128-w8-s3": C(fp8=True, block_k=128),
+    "fp8-128x128x64-w8-s4": C(fp8=True, num_stages=4),
+    "fp8-128x256x128-w8-s3": C(fp8=True, block_c=256, block_k=128),
+    "fp8-256x128x128-w8-s3": C(fp8=True, block_r=256, block_k=128),
 }
 CASES = {  # name: (B, T, S, N, K, H, block, stride, q_lengths, kv_lengths, norm, dtype, config)
     # H16: one 64-feature slice joins 4 strides; one 128 x 128 tile per head.
@@ -187,3 +198,195 @@ def test_gpu_sweep_configs(name):
     exp_sums, _ = xattn_estimate(_clean(q).astype(F32), _clean(k).astype(F32),
                                  implementation="xla", **opts)
     assert_close(sums, exp_sums, atol=1e-2, rtol=1e-2)
+
+
+# ---- Config.fp8: q and k in e4m3, the GEMM on the fp8 tensor cores ----------------------------
+
+E4M3_U = 2.0**-4  # e4m3 unit roundoff: 3 mantissa bits, round to nearest
+
+
+@triton.jit
+def _fp8_dot_kernel(a_ptr, b_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    rm, rn, rk = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+    a = tl.load(a_ptr + rm[:, None] * K + rk[None, :])
+    b = tl.load(b_ptr + rn[:, None] * K + rk[None, :])  # K-major, as the estimate's k tiles
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], tl.dot(a, tl.trans(b)))
+
+
+def test_interpreter_fp8_dot_is_exact():
+    """What the CPU fp8 tests rest on: Triton's interpreter takes e4m3 `tl.dot` operands (it
+    widens them to f16, which holds every e4m3 value) and the f32 result is the exact dot of
+    the e4m3 values up to f32 summation. Every finite e4m3 value (both signs, subnormals, 448)
+    appears as an operand. Not checked here: the GPU's fast fp8 accumulation (no promotion),
+    which `test_gpu_fp8_*` cover."""
+    values = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn)
+    values = values[np.isfinite(values.astype(np.float32))]  # 254: all but the two NaNs
+    gen = rng()
+    a = np.resize(gen.permutation(values), 32 * 64).reshape(32, 64)
+    b = np.resize(gen.permutation(values), 16 * 64).reshape(16, 64)
+    got = triton_call(jnp.asarray(a), jnp.asarray(b), kernel=_fp8_dot_kernel,
+                      out_shape=jax.ShapeDtypeStruct((32, 16), jnp.float32), grid=(1,),
+                      M=32, N=16, K=64)
+    exact = a.astype(np.float64) @ b.astype(np.float64).T
+    np.testing.assert_allclose(np.asarray(got), exact, rtol=0,
+                               atol=64 * 2.0**-24 * np.abs(a.astype(np.float64))
+                               @ np.abs(b.astype(np.float64)).T)
+
+
+def test_quantize_e4m3():
+    """Power-of-two scale per (request, head, `stride` tokens) with `amax / scale` in (224, 448];
+    `x8` is `x / scale` rounded to nearest even (ml_dtypes), so `|x8·scale - x| <= 2^-4 |x| +
+    2^-10 scale`; tokens past the length are 0 even when NaN; L off the stride grid."""
+    gen = rng()
+    x = randn(gen, (2, 22, 3, 40), scale=float(np.exp(gen.uniform(-8, 8))))
+    x = x.at[:, :, 1].multiply(1e-3)  # a head far from the others' range
+    lengths = jnp.asarray([22, 13], jnp.int32)
+    x = poison(x, jnp.arange(22)[None, :] < lengths[:, None])
+    x8, scale = kernel.quantize_e4m3(x, lengths, 4)
+    assert x8.dtype == jnp.float8_e4m3fn and x8.shape == x.shape and scale.shape == (2, 3, 6)
+    s = np.asarray(scale)
+    np.testing.assert_array_equal(np.exp2(np.round(np.log2(s))), s)
+    clean = np.asarray(_clean(x)).astype(np.float64)
+    grouped = np.pad(clean, ((0, 0), (0, 2), (0, 0), (0, 0))).reshape(2, 6, 4, 3, 40)
+    ratio = np.abs(grouped).max(axis=(2, 4)).transpose(0, 2, 1) / s
+    assert np.all((ratio > 224) & (ratio <= 448)), ratio
+    per_token = np.repeat(s.transpose(0, 2, 1), 4, axis=1)[:, :22, :, None]
+    expect = (clean / per_token).astype(np.float32).astype(jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(x8).view(np.uint8), expect.view(np.uint8))
+    back = np.asarray(kernel.dequantize_e4m3(x8, scale, 4), np.float64)
+    assert np.all(np.abs(back - clean) <= E4M3_U * np.abs(clean) + 2.0**-10 * per_token)
+    assert not np.any(np.asarray(x8, np.float32)[1, 13:])
+
+
+FP8_CASES = {  # name: (B, T, S, N, K, H, block, stride, q_lengths, kv_lengths, norm, dtype, cfg)
+    "st8-bs64-G5-lengths-bf16-64x64x32": (2, 200, 333, 5, 1, 32, 64, 8, [190, 77], [333, 200],
+                                          1.0, BF16, C(fp8=True, block_r=64, block_c=64,
+                                                       block_k=32)),
+    # H40 padded to 64: 64-feature slices hold one stride's features (masked past 40); norm.
+    "st4-bs32-H40-G2-norm-f32-64x128x64": (1, 130, 150, 4, 2, 40, 32, 4, [121], [150], 1.7,
+                                           F32, C(fp8=True, block_r=64)),
+    # H16: a 128-feature slice joins 8 strides; the scratch bound splits the launch.
+    "st16-bs32-H16-scratch-bf16-128x256x128": (2, 100, 140, 2, 1, 16, 32, 16, [100, 37],
+                                               [140, 90], 1.0, BF16,
+                                               C(fp8=True, block_c=256, block_k=128,
+                                                 scratch_bytes=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(FP8_CASES))
+def test_fp8_matches_dequantised_reference(name):
+    """The fp8 kernel is the reference on the dequantised `q8·scale, k8·scale` (the API's
+    `implementation="xla", fp8=True`): e4m3 products and power-of-two scales are exact in f32,
+    so only the summation order differs (1e-5, masks equal), as for the bf16 kernel. Lengths are
+    NaN-poisoned past their ends."""
+    b, t, s, n, kh, h, bs, st, ql, kl, norm, dtype, config = FP8_CASES[name]
+    q, k, lens = _problem(rng(), b, t, s, n, kh, h, ql, kl, dtype)
+    opts = dict(block_size=bs, stride=st, threshold=0.8, norm=norm, **lens)
+    sums, mask = kernel.xattn_estimate(q, k, config=config, **opts)
+    exp_sums, exp_mask = xattn_estimate(q, k, implementation="xla", fp8=True, **opts)
+    assert_close(sums, exp_sums, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(mask), np.asarray(exp_mask))
+    plain, _ = xattn_estimate(_clean(q), _clean(k), implementation="xla", **opts)
+    assert np.abs(np.asarray(sums) - np.asarray(plain)).max() > 0  # it did round
+    assert not np.asarray(exp_mask).all()
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_fp8_block_sums_within_rounding_tolerance(dtype):
+    """fp8 block sums against the unrounded reference (= the bf16 kernel's to 1e-5) within a
+    tolerance derived from e4m3 rounding. Model: each of q_i, k_i is rounded with a relative
+    error `δ`, `|δ| <= u = 2^-4`, independent and zero-mean, so `E δ² <= u²/3` (subnormals add
+    at most `2^-10` of a group's scale; with unit-normal data that is below 1e-3 of the terms
+    here and is neglected). A logit `a = c Σ q_i k_i` (`c = 1 / (sqrt(H) st)`) then moves by
+    `c Σ q_i k_i (δ_i + ε_i + δ_i ε_i)`, std `σ <= c sqrt(2u²/3 + u⁴/9) sqrt(Σ q_i² k_i²)`;
+    take `Δ = 6 max σ` over all (row, column) as the largest move (a 6σ excursion has
+    probability ~2e-9 per score, ~2e4 scores here). A softmax probability with every logit of
+    its row moved by at most Δ changes by a factor in `[e^-2Δ, e^2Δ]`, and so does any sum of
+    them: `|sums8 - sums| <= (e^2Δ - 1) sums`. Here (H32, st16) Δ is about 0.08, a 17% bound;
+    the measured error is some ten times smaller; a missing or doubled scale breaks it."""
+    b, t, s, n, kh, h, bs, st = 1, 256, 256, 4, 2, 32, 32, 16
+    q, k, _ = _problem(rng(), b, t, s, n, kh, h, None, None, dtype)
+    opts = dict(block_size=bs, stride=st, threshold=0.9)
+    sums, _ = kernel.xattn_estimate(q, k, config=C(fp8=True, block_r=16, block_c=16,
+                                                   block_k=32), **opts)
+    exp_sums, _ = xattn_estimate(q, k, implementation="xla", **opts)
+    sq = reference.antidiagonal_scores(q.astype(F32) ** 2, k.astype(F32) ** 2, st)
+    sigma = math.sqrt(2 * E4M3_U**2 / 3 + E4M3_U**4 / 9) / math.sqrt(h) / st
+    delta = 6 * sigma * float(jnp.sqrt(sq).max())
+    got, exp = np.asarray(sums), np.asarray(exp_sums)
+    np.testing.assert_array_less(np.abs(got - exp), np.expm1(2 * delta) * exp + 1e-7)
+    assert np.abs(got - exp).max() > 0
+
+
+def _planted(gen, dtype, maps, *, t=256, block=32, h=32, kh=1, strength=6.0, noise=0.3):
+    """q, k with block `maps[n](r)` of query tile r of head n carrying ~99% of each row's mass:
+    key block j's tokens are `strength·e_j + noise`, query tile r's `strength·e_maps[n](r)`."""
+    tb = t // block
+    eye = np.eye(h, dtype=np.float32)
+    k = np.repeat(eye[:tb], block, axis=0)[None, :, None] * strength  # [1, S, 1, H]
+    q = np.stack([np.repeat(eye[[f(r) for r in range(tb)]], block, axis=0) for f in maps],
+                 axis=1)[None] * strength  # [1, T, N, H]
+    q = q + noise * gen.standard_normal(q.shape, dtype=np.float32)
+    k = np.broadcast_to(k, (1, t, kh, h)) + noise * gen.standard_normal((1, t, kh, h),
+                                                                        dtype=np.float32)
+    return jnp.asarray(q).astype(dtype), jnp.asarray(k).astype(dtype)
+
+
+def test_fp8_selects_planted_blocks():
+    """A clear-cut pattern: query tile r of head 0 puts ~99% of every row's mass (logit margin
+    about strength²/sqrt(H) = 6.4 over 7 other blocks of noise) on key block r // 2, head 1 on
+    block r - 1. With τ = 0.9 both the fp8 kernel and the bf16 kernel select exactly the sink,
+    the diagonal and the planted block (rows 0, 1: only the forced blocks)."""
+    maps = (lambda r: max(r // 2, 0), lambda r: max(r - 1, 0))
+    q, k = _planted(rng(), BF16, maps)
+    opts = dict(block_size=32, stride=4, threshold=0.9)
+    cfg = C(block_r=32, block_c=32, block_k=32)
+    _, mask8 = kernel.xattn_estimate(q, k, config=dataclasses.replace(cfg, fp8=True), **opts)
+    _, mask16 = kernel.xattn_estimate(q, k, config=cfg, **opts)
+    expect = np.zeros((1, 2, 8, 8), bool)
+    for n, f in enumerate(maps):
+        for r in range(8):
+            expect[0, n, r, [0, r, f(r)]] = True
+    np.testing.assert_array_equal(np.asarray(mask16), expect)
+    np.testing.assert_array_equal(np.asarray(mask8), expect)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_matches_dequantised_reference():
+    """Compiled fp8 path (with the tensor cores' fast fp8 accumulation) against the f32
+    reference on the dequantised inputs: the accumulation error only (the rounding is shared)."""
+    q, k, lens = _problem(rng(), 2, 4096, 8192, 8, 2, 128, [4096, 3000], [8192, 5000],
+                          dtype=BF16)
+    opts = dict(block_size=128, stride=16, threshold=0.9, **lens)
+    sums, mask = xattn_estimate(q, k, implementation="triton", fp8=True, **opts)
+    exp_sums, exp_mask = xattn_estimate(q, k, implementation="xla", fp8=True, **opts)
+    assert_close(sums, exp_sums, atol=1e-2, rtol=1e-2)
+    agree = float(np.mean(np.asarray(mask) == np.asarray(exp_mask)))
+    assert agree > 0.99, f"masks agree on {agree:.4f} of the blocks"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [name for name in SWEEP if SWEEP[name].fp8])
+def test_gpu_fp8_mask_agreement_32k(name):
+    """S = T = 32K, N 8 over K 2, H 128, stride 16, τ 0.9, unit-normal bf16 q and k: the fp8
+    path's masks against the bf16 kernel's. Random q and k are the hard case: every row's block
+    masses are near-uniform, so blocks near the threshold cut differ by ~1e-4 of the row mass
+    and the fp8 error (per-score std ~0.05/sqrt(st) = 0.013 logits, ~1e-3 relative on a block
+    sum of 8 x 8 scores) reorders them. Asserted: identical entries >= 0.95 (the causal upper
+    triangle, half the entries, always agrees, so this allows ~10% of the visible entries to
+    flip), and per query tile the fp8 mask still covers >= τ - 0.01 of the bf16 row mass (what
+    the sparse pass needs). Prints the agreement."""
+    q, k, _ = _problem(rng(), 1, 32768, 32768, 8, 2, 128, None, None, dtype=BF16)
+    opts = dict(block_size=128, stride=16, threshold=0.9)
+    sums16, mask16 = kernel.xattn_estimate(q, k, config=C(), **opts)
+    _, mask8 = kernel.xattn_estimate(q, k, config=SWEEP[name], **opts)
+    m8, m16, s16 = np.asarray(mask8), np.asarray(mask16), np.asarray(sums16)
+    agree = float(np.mean(m8 == m16))
+    visible = np.tril(np.ones(m16.shape[-2:], bool))
+    agree_visible = float(np.mean((m8 == m16)[..., visible]))
+    covered = (s16 * m8).sum(-1) / s16.sum(-1)
+    print(f"{name}: masks agree on {agree:.5f} of all entries, {agree_visible:.5f} of the "
+          f"causal ones; fp8 kept {m8.sum()} blocks, bf16 {m16.sum()}; min covered mass "
+          f"{covered.min():.4f}")
+    assert agree >= 0.95, f"masks agree on {agree:.4f} of the blocks"
+    assert covered.min() >= 0.9 - 0.01
