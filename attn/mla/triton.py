@@ -14,23 +14,27 @@ tensor cores unscaled (widened to float16: e4m3 -> f16 is one instruction on Hop
 
 `Config.fp8_dot` keeps FP8 tiles in e4m3 and feeds them to the fp8 tensor cores (f32
 accumulation), so nothing is widened in the loop. The absorbed query is quantised once per program
-(`_quantize_rows`): one float32 scale per (row, head) for `q_lat` and another for `q_pe`,
-`amax / 448` as `kv.fp8`; `Config.fp8_q_terms=2` adds the rounding residual as a second e4m3 term
-(one more fp8 dot per tile). Score = `dot(q8, k8) · q_scale[head] · token_scale[token]`. With
+(`_to_e4m3`): one float32 scale per (row, head) for `q_lat` and another for `q_pe`,
+`amax / 448`, as `kv.fp8`. Score = `dot(q8, k8) · q_scale[head] · token_scale[token]`. With
 `Config.fp8_pv` (the default of `fp8_dot`) P @ V is an e4m3 dot too: the probabilities take the
-token scales of their columns and a per-tile normaliser `448 / max(token scales of the tile)`, so
-the tile's largest possible weight lands at 448 (full 3-bit relative precision for everything
-within 2^14 of it), and the product is scaled back; the row sums `l` use the unquantised f32
-probabilities. Operand layouts: `q8 @ c8ᵀ` takes the latent tile `[BLOCK_N, L]` row-major, i.e.
-K-major (contiguous along the reduction) as fp8 MMA wants its B operand; in `p8 @ c8` the same
-tile is N-major, so the compiler transposes it (the price of one tile serving as key and value;
-`reload_value` gives that dot its own copy). `fp8_pv=False` widens P and V to f16 for that dot.
-Error (CPU, tests/attn/test_mla_triton.py): q's rounding moves each term of a score by up to 2^-4
-of itself (2^-8 with two terms), and the lse by at most the largest score change; P's rounding
-moves each weight by at most 2^-4 of itself, so `|Δo| <= 2^-4 · max|v|`, and in rms about 2^-3 /
-sqrt(12) of a dominant value, less when many tokens share the weight. Not the default: at the
-tests' shapes the lse error against the dequantised reference is 0.25-0.45 with one q term and
-4e-3-1.1e-2 with two, above the 1e-3 of the widened path.
+token scales of their columns and a per-tile normaliser `448 / max(token scales of the tile)` so
+the tile's largest weight lands at 448 (e4m3's full 3-bit relative precision for everything
+within 2^14 of it), and the product is scaled back by its inverse; the row sums `l` use the
+unquantised f32 probabilities. Operand layouts: `q8 @ c8ᵀ` takes the latent tile `[BLOCK_N, L]`
+row-major, i.e. K-major (contiguous along the reduction), which fp8 MMA wants; in `p8 @ c8` the
+same tile is N-major, so the compiler transposes it (the price of sharing one tile for the key
+and the value; `reload_value` gives that dot its own copy). Error (measured on CPU, see the
+tests): q's rounding gives each score a relative error up to 2^-4 per term; P's rounding moves
+each weight by at most 2^-4 of itself, so `|Δo| <= 2^-4 · max|v|` in the worst case and about
+2^-4 / sqrt(3 · tokens) · rms(v) for random rounding.
+
+Splits follow the reference (`attn.mla.reference.split_of_token`): row b's `cdiv(len_b, P)` pages
+are cut into `SPLITS` page-aligned runs of `cdiv(cdiv(len_b, P), SPLITS)` pages, so the partials
+`[B, N, splits, L]` and their log-sum-exp equal the reference's; `attn.merge` combines them.
+
+Supports: any `N` (padded to `BLOCK_HEADS` rows and masked), any `L` and `R`, page sizes that are
+powers of two, bf16 / f16 / f32 and fp8-e4m3 latent pages with fp32 scales per sub-block.
+Not supported: several query tokens per sequence (speculative decoding).
 """
 
 import dataclasses
