@@ -12,22 +12,6 @@ a -1 entry reads the null page 0 and is masked. FP8 latent pages are dequantised
 the token's scale multiplies the score columns and the probabilities, so the tiles go to the
 tensor cores unscaled (widened to float16: e4m3 -> f16 is one instruction on Hopper).
 
-`Config.fp8_dot` keeps FP8 tiles in e4m3 and feeds them to the fp8 tensor cores (f32
-accumulation), so nothing is widened in the loop. The absorbed query is quantised once per program
-(`_to_e4m3`): one float32 scale per (row, head) for `q_lat` and another for `q_pe`,
-`amax / 448`, as `kv.fp8`. Score = `dot(q8, k8) · q_scale[head] · token_scale[token]`. With
-`Config.fp8_pv` (the default of `fp8_dot`) P @ V is an e4m3 dot too: the probabilities take the
-token scales of their columns and a per-tile normaliser `448 / max(token scales of the tile)` so
-the tile's largest weight lands at 448 (e4m3's full 3-bit relative precision for everything
-within 2^14 of it), and the product is scaled back by its inverse; the row sums `l` use the
-unquantised f32 probabilities. Operand layouts: `q8 @ c8ᵀ` takes the latent tile `[BLOCK_N, L]`
-row-major, i.e. K-major (contiguous along the reduction), which fp8 MMA wants; in `p8 @ c8` the
-same tile is N-major, so the compiler transposes it (the price of sharing one tile for the key
-and the value; `reload_value` gives that dot its own copy). Error (measured on CPU, see the
-tests): q's rounding gives each score a relative error up to 2^-4 per term; P's rounding moves
-each weight by at most 2^-4 of itself, so `|Δo| <= 2^-4 · max|v|` in the worst case and about
-2^-4 / sqrt(3 · tokens) · rms(v) for random rounding.
-
 Splits follow the reference (`attn.mla.reference.split_of_token`): row b's `cdiv(len_b, P)` pages
 are cut into `SPLITS` page-aligned runs of `cdiv(cdiv(len_b, P), SPLITS)` pages, so the partials
 `[B, N, splits, L]` and their log-sum-exp equal the reference's; `attn.merge` combines them.
@@ -45,7 +29,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from attn._harness import on_gpu, triton_call
+from attn._harness import triton_call
 
 LOG2E = math.log2(math.e)
 
@@ -65,13 +49,6 @@ class Config:
     # FP8 tiles widen to this dtype for the tensor cores. e4m3 -> f16 is one conversion
     # instruction on Hopper; e4m3 -> bf16 is not.
     fp8_compute: str = "float16"
-    # FP8 only: e4m3 x e4m3 tensor-core dots (query quantised in the kernel, see the module doc).
-    fp8_dot: bool = False
-    # With fp8_dot: P @ V in e4m3 too (False: P and V widen to fp8_compute for that dot).
-    fp8_pv: bool = True
-    # With fp8_dot: e4m3 terms of the query. 2 adds its rounding residual as a second e4m3 term
-    # (one more fp8 dot per key tile; the score error falls from ~2^-4 to ~2^-8 of a term).
-    fp8_q_terms: int = 1
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -82,11 +59,6 @@ class Config:
             raise ValueError(f"{self.num_splits=} must be >= 1")
         if self.fp8_compute not in ("float16", "bfloat16"):
             raise ValueError(f"{self.fp8_compute=} must be 'float16' or 'bfloat16'")
-        if self.fp8_q_terms not in (1, 2):
-            raise ValueError(f"{self.fp8_q_terms=} must be 1 or 2")
-        if self.fp8_dot and self.block_n < 32:
-            # An fp8 MMA reduces over 32 elements: P @ V reduces over the tile's tokens.
-            raise ValueError(f"{self.block_n=} must be >= 32 with fp8_dot")
 
 
 NUM_SMS = 132  # H100 / H200 SXM
@@ -111,60 +83,6 @@ def _splits(programs: int, slots: int, max_len: int) -> int:
     return best
 
 
-@triton.jit
-def _to_e4m3(x, EMULATE_RNE: tl.constexpr):
-    """`x` (float32, |x| <= 448) cast to e4m3, rounded to nearest even.
-
-    On the GPU the cast is one `cvt.rn.satfinite` and rounds so itself. Triton's CPU interpreter
-    does not: it rounds half away from the truncated bits and can carry a mantissa overflow into
-    the wrong exponent (500 -> 256), so with `EMULATE_RNE` (interpreter only) `x` is first rounded
-    to the e4m3 grid in float32 (3 mantissa bits by integer rounding; steps of 2^-9 below 2^-6,
-    e4m3's subnormals, by the 1.5 · 2^23 trick), after which the cast is exact.
-    """
-    if EMULATE_RNE:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep the top 3 mantissa bits
-        normal = bits.to(tl.float32, bitcast=True)
-        sub = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-        x = tl.where(tl.abs(x) < 0.015625, sub, normal)
-    return x.to(tl.float8e4nv)
-
-
-@triton.jit
-def _quantize_rows(x, EMULATE_RNE: tl.constexpr):
-    """Rows of `x` (float32 `[M, K]`) as e4m3, their dequantisation scales `[M]` and the
-    rounding residual `x / scale - e4m3` (float32, in units of the scale).
-
-    scale = max(amax, 448 · FLT_MIN) · float32(1 / 448): a zero row gets a finite scale.
-    """
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.maximum(amax, 448.0 * 1.1754943508222875e-38) * 0.002232142857142857
-    x = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
-    x8 = _to_e4m3(x, EMULATE_RNE)
-    return x8, scale, x - x8.to(tl.float32)
-
-
-@triton.jit
-def _quantize_query(x, EMULATE_RNE: tl.constexpr, Q_TERMS: tl.constexpr):
-    """`x ≈ hi · hi_scale + lo · lo_scale` (per row); with one term `lo` is 0 and unused."""
-    hi, hi_scale, resid = _quantize_rows(x, EMULATE_RNE)
-    if Q_TERMS == 2:
-        lo, lo_scale, _ = _quantize_rows(resid, EMULATE_RNE)
-        lo_scale = lo_scale * hi_scale
-    else:
-        lo, lo_scale = hi, hi_scale * 0.0
-    return hi, hi_scale, lo, lo_scale
-
-
-@triton.jit
-def _fp8_scores(hi, hi_scale, lo, lo_scale, k8, Q_TERMS: tl.constexpr):
-    """`q · kᵀ` for the e4m3 key tile `k8` (unscaled), the query as `_quantize_query` left it."""
-    s = tl.dot(hi, tl.trans(k8)) * hi_scale[:, None]
-    if Q_TERMS == 2:
-        s += tl.dot(lo, tl.trans(k8)) * lo_scale[:, None]
-    return s
-
-
 def default_config(batch: int, num_heads: int, max_len: int, *, fp8: bool = False,
                    itemsize: int = 2) -> Config:
     """Tiles measured best on the H100 at B64, S32K, L512 + R64.
@@ -186,52 +104,6 @@ def default_config(batch: int, num_heads: int, max_len: int, *, fp8: bool = Fals
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
     programs = batch * -(-num_heads // cfg.block_heads)
     return dataclasses.replace(cfg, num_splits=_splits(programs, per_sm * NUM_SMS, max_len))
-
-
-@triton.jit
-def _fp8_dot_tile(acc, m, l, q_lat, q_lat_scale, q_lat_lo, q_lat_lo_scale,
-                  q_pe, q_pe_scale, q_pe_lo, q_pe_lo_scale, latent_ptr, latent_scale_ptr,
-                  page, row, pos, valid, offs_l, offs_r, mask_l, mask_r,
-                  L: tl.constexpr, R: tl.constexpr, P: tl.constexpr, SUB: tl.constexpr,
-                  RELOAD_V: tl.constexpr, FP8_PV: tl.constexpr, EMULATE_RNE: tl.constexpr,
-                  Q_TERMS: tl.constexpr):
-    """One e4m3 key tile through the fp8 tensor cores: the online-softmax update."""
-    c_kv = tl.load(  # [BLOCK_N, BLOCK_L] e4m3: K-major as the B operand of q8 @ c_kvᵀ
-        latent_ptr + row[:, None] * (L + R) + offs_l[None, :],
-        mask=valid[:, None] & mask_l[None, :],
-        other=0.0,
-        eviction_policy="evict_last" if RELOAD_V else "",
-    )
-    k_pe = tl.load(  # [BLOCK_N, BLOCK_R] e4m3
-        latent_ptr + row[:, None] * (L + R) + L + offs_r[None, :],
-        mask=valid[:, None] & mask_r[None, :],
-        other=0.0,
-    )
-    srow = page.to(tl.int64) * (P // SUB) + (pos % P) // SUB
-    token_scale = tl.load(latent_scale_ptr + srow, mask=valid, other=0.0)  # [BLOCK_N]
-    s = (_fp8_scores(q_lat, q_lat_scale, q_lat_lo, q_lat_lo_scale, c_kv, Q_TERMS)
-         + _fp8_scores(q_pe, q_pe_scale, q_pe_lo, q_pe_lo_scale, k_pe, Q_TERMS))  # [BH, BN]
-    s = tl.where(valid[None, :], s * token_scale[None, :], float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])  # [BLOCK_HEADS, BLOCK_N], <= 1
-    l = l * alpha + tl.sum(p, axis=1)
-    if RELOAD_V:
-        c_kv = tl.load(  # the same rows again (an L2 hit), for the value's own operand layout
-            latent_ptr + row[:, None] * (L + R) + offs_l[None, :],
-            mask=valid[:, None] & mask_l[None, :],
-            other=0.0,
-            eviction_policy="evict_first",
-        )
-    if FP8_PV:
-        # Column j of P takes token j's scale; the tile's largest scale maps to 448 (p <= 1).
-        top = tl.max(token_scale, axis=0)  # > 0: a tile holds at least one valid token
-        w = token_scale * (448.0 / top)
-        p8 = _to_e4m3(tl.minimum(p * w[None, :], 448.0), EMULATE_RNE)
-        pv = tl.dot(p8, c_kv) * (top / 448.0)
-    else:
-        pv = tl.dot((p * token_scale[None, :]).to(tl.float16), c_kv.to(tl.float16))
-    return acc * alpha[:, None] + pv, m_new, l
 
 
 @triton.jit
@@ -259,10 +131,6 @@ def _mla_decode_kernel(
     BLOCK_R: tl.constexpr,
     RELOAD_V: tl.constexpr,
     PRECISION: tl.constexpr,
-    FP8_DOT: tl.constexpr,  # e4m3 tensor-core dots (FP8 only)
-    FP8_PV: tl.constexpr,  # with FP8_DOT: P @ V in e4m3 too
-    EMULATE_RNE: tl.constexpr,  # interpreter only, see `_to_e4m3`
-    Q_TERMS: tl.constexpr,  # with FP8_DOT: e4m3 terms of the query (2: + its rounding residual)
 ):
     # Head blocks vary fastest, so the programs sharing a sequence's latent run together (L2).
     hb = tl.program_id(0)
@@ -296,15 +164,6 @@ def _mla_decode_kernel(
         other=0.0,
     )
     scale_log2 = tl.load(scale_ptr)
-    if FP8_DOT:
-        # q arrives in float32: one e4m3 copy per program, its scales carry softmax · log2(e).
-        q_lat, q_lat_scale, q_lat_lo, q_lat_lo_scale = _quantize_query(q_lat, EMULATE_RNE,
-                                                                       Q_TERMS)
-        q_pe, q_pe_scale, q_pe_lo, q_pe_lo_scale = _quantize_query(q_pe, EMULATE_RNE, Q_TERMS)
-        q_lat_scale *= scale_log2
-        q_lat_lo_scale *= scale_log2
-        q_pe_scale *= scale_log2
-        q_pe_lo_scale *= scale_log2
     table_row = table_ptr + b.to(tl.int64) * MAX_PAGES
 
     m = tl.full([BLOCK_HEADS], float("-inf"), tl.float32)
@@ -316,47 +175,40 @@ def _mla_decode_kernel(
         page = tl.load(table_row + pos // P, mask=valid, other=0)
         page = tl.where(page < 0, 0, page)  # -1: null page, masked below
         row = page.to(tl.int64) * P + pos % P  # [BLOCK_N] latent rows
-        if FP8_DOT:
-            acc, m, l = _fp8_dot_tile(
-                acc, m, l, q_lat, q_lat_scale, q_lat_lo, q_lat_lo_scale,
-                q_pe, q_pe_scale, q_pe_lo, q_pe_lo_scale, latent_ptr, latent_scale_ptr,
-                page, row, pos, valid, offs_l, offs_r, mask_l, mask_r,
-                L, R, P, SUB, RELOAD_V, FP8_PV, EMULATE_RNE, Q_TERMS)
-        else:
-            c_kv = tl.load(  # [BLOCK_N, BLOCK_L]: the key's first L features and the value
+        c_kv = tl.load(  # [BLOCK_N, BLOCK_L]: the key's first L features and the value
+            latent_ptr + row[:, None] * (L + R) + offs_l[None, :],
+            mask=valid[:, None] & mask_l[None, :],
+            other=0.0,
+            eviction_policy="evict_last" if RELOAD_V else "",
+        ).to(q_lat.dtype)
+        k_pe = tl.load(  # [BLOCK_N, BLOCK_R]
+            latent_ptr + row[:, None] * (L + R) + L + offs_r[None, :],
+            mask=valid[:, None] & mask_r[None, :],
+            other=0.0,
+        ).to(q_lat.dtype)
+        s = tl.dot(q_lat, tl.trans(c_kv), input_precision=PRECISION)  # [BLOCK_HEADS, BLOCK_N]
+        s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)
+        if FP8:
+            srow = page.to(tl.int64) * (P // SUB) + (pos % P) // SUB
+            token_scale = tl.load(latent_scale_ptr + srow, mask=valid, other=0.0)  # [BLOCK_N]
+            s = s * token_scale[None, :]
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_HEADS, BLOCK_N]
+        l = l * alpha + tl.sum(p, axis=1)
+        if FP8:
+            p = p * token_scale[None, :]
+        if RELOAD_V:
+            # The same rows again (an L2 hit); another eviction hint keeps it a separate load.
+            c_kv = tl.load(  # [BLOCK_N, BLOCK_L]
                 latent_ptr + row[:, None] * (L + R) + offs_l[None, :],
                 mask=valid[:, None] & mask_l[None, :],
                 other=0.0,
-                eviction_policy="evict_last" if RELOAD_V else "",
+                eviction_policy="evict_first",
             ).to(q_lat.dtype)
-            k_pe = tl.load(  # [BLOCK_N, BLOCK_R]
-                latent_ptr + row[:, None] * (L + R) + L + offs_r[None, :],
-                mask=valid[:, None] & mask_r[None, :],
-                other=0.0,
-            ).to(q_lat.dtype)
-            s = tl.dot(q_lat, tl.trans(c_kv), input_precision=PRECISION)  # [BLOCK_HEADS, BLOCK_N]
-            s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)
-            if FP8:
-                srow = page.to(tl.int64) * (P // SUB) + (pos % P) // SUB
-                token_scale = tl.load(latent_scale_ptr + srow, mask=valid, other=0.0)  # [BLOCK_N]
-                s = s * token_scale[None, :]
-            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])  # [BLOCK_HEADS, BLOCK_N]
-            l = l * alpha + tl.sum(p, axis=1)
-            if FP8:
-                p = p * token_scale[None, :]
-            if RELOAD_V:
-                # The same rows again (an L2 hit); another eviction hint keeps it a separate load.
-                c_kv = tl.load(  # [BLOCK_N, BLOCK_L]
-                    latent_ptr + row[:, None] * (L + R) + offs_l[None, :],
-                    mask=valid[:, None] & mask_l[None, :],
-                    other=0.0,
-                    eviction_policy="evict_first",
-                ).to(q_lat.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q_lat.dtype), c_kv, input_precision=PRECISION)
-            m = m_new
+        acc = acc * alpha[:, None] + tl.dot(p.to(q_lat.dtype), c_kv, input_precision=PRECISION)
+        m = m_new
 
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]
@@ -385,10 +237,6 @@ def mla_paged_decode_partials(
     sub = p // latent_scales.shape[-1] if fp8 else p
     compute = jnp.dtype(config.fp8_compute) if fp8 else jnp.dtype(latent_pages.dtype)
     precision = "ieee" if compute == jnp.float32 else "tf32"
-    fp8_dot = fp8 and config.fp8_dot  # ignored for non-fp8 pages
-    if fp8_dot:
-        compute = jnp.dtype(jnp.float32)  # the kernel quantises q itself
-    min_block = 32 if fp8_dot else 16  # an fp8 MMA reduces over 32 elements
     splits = config.num_splits
     scale_log2 = (jnp.asarray(scale, jnp.float32) * LOG2E).reshape(1)
     o, lse = triton_call(
@@ -417,14 +265,10 @@ def mla_paged_decode_partials(
         FP8=fp8,
         BLOCK_HEADS=config.block_heads,
         BLOCK_N=config.block_n,
-        BLOCK_L=max(min_block, triton.next_power_of_2(l)),
-        BLOCK_R=max(min_block, triton.next_power_of_2(r)),
+        BLOCK_L=max(16, triton.next_power_of_2(l)),
+        BLOCK_R=max(16, triton.next_power_of_2(r)),
         RELOAD_V=config.reload_value,
         PRECISION=precision,
-        FP8_DOT=fp8_dot,
-        FP8_PV=config.fp8_pv,
-        EMULATE_RNE=not on_gpu(),
-        Q_TERMS=config.fp8_q_terms,
     )
     return o, lse
 

@@ -2,19 +2,15 @@
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
-from attn._harness import on_gpu, triton_call
 from attn.mla import api
 from attn.mla import triton as kernel
 from kv import fp8
 from tests.utils import AttentionTestBase, assert_close, case_id, poison, randn, rng
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-_ON_GPU = on_gpu()
-triton, tl = kernel.triton, kernel.tl  # imported by `attn` first (interpreter set-up)
 
 
 def _problem(gen, *, b, n, l, r, p, max_pages, dtype, lengths):
@@ -127,115 +123,6 @@ def test_fp8_latent_matches_reference_on_same_pages(c):
     AttentionTestBase.check_masked_rows(out, lse, np.broadcast_to(lengths[:, None], (4, c["n"])))
 
 
-def _e4m3_rows(x):
-    """The kernel's per-row e4m3 quantisation in numpy float32 (`triton._quantize_rows`):
-    `(e4m3 values as f32, scales [.., 1], residual x / scale - e4m3)`."""
-    amax = np.abs(x).max(axis=-1, keepdims=True)
-    sc = np.maximum(amax, np.float32(448 * np.finfo(np.float32).tiny)) * np.float32(1 / 448)
-    y = np.clip(x / sc, -448, 448).astype(np.float32)
-    y8 = y.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    return y8, sc, y - y8
-
-
-def _quantised_query(x, terms):
-    """What the fp8_dot kernel multiplies the keys by: q rounded to one or two e4m3 terms."""
-    x = np.asarray(x, np.float32)
-    hi, sc, resid = _e4m3_rows(x)
-    out = hi * sc
-    if terms == 2:
-        lo, sc_lo, _ = _e4m3_rows(resid)
-        out = out + lo * (sc_lo * sc)
-    return jnp.asarray(out)
-
-
-def _scores(q_lat, q_pe, pages, scales, table, l, scale):
-    """Dequantised scores `[B, N, max_pages * P]` of every table slot (the bound's input)."""
-    sub = pages.shape[1] // scales.shape[1]
-    lat = pages.astype(F32) * jnp.repeat(scales, sub, axis=1)[..., None]
-    lat = lat[jnp.maximum(table, 0)].reshape(table.shape[0], -1, lat.shape[-1])
-    return scale * (jnp.einsum("bnl,bsl->bns", q_lat.astype(F32), lat[..., :l])
-                    + jnp.einsum("bnr,bsr->bns", q_pe.astype(F32), lat[..., l:]))
-
-
-FP8_DOT_CASES = [  # rope 64 with split-KV, rope 32 without (value reloaded), 20 heads: a tail
-    dict(l=64, r=64, n=16, p=16, sub_block=16, splits=2, lengths=[96, 70, 5, 128],
-         reload=False),
-    dict(l=64, r=32, n=20, p=32, sub_block=8, splits=1, lengths=[64, 33, 1, 0], reload=True),
-]
-
-
-@pytest.mark.parametrize("q_terms", [1, 2])
-@pytest.mark.parametrize("pv", [False, True], ids=["pv16", "pv8"])
-@pytest.mark.parametrize("c", FP8_DOT_CASES, ids=lambda c: case_id(
-    L=c["l"], R=c["r"], N=c["n"], J=c["splits"]) + ("-reload" if c["reload"] else ""))
-def test_fp8_dot_matches_reference(c, pv, q_terms):
-    """e4m3 tensor-core dots against the reference on the same dequantised pages.
-
-    * The query's rounding is exact to emulate (`_quantised_query`): with it, the reference's lse
-      must match to f32 rounding (the row sums use unquantised probabilities), and the output to
-      f16 rounding of P (the existing fp8 tolerance) or, with P in e4m3 (`pv`), to P's rounding:
-      every weight moves by at most 2^-4 of itself (3 mantissa bits, round to nearest), so
-      |Δo| <= 2^-4 · max|v| always, and rms(Δo) <= 2^-3 / sqrt(12) · rms(v) (uniform rounding
-      of a weight of at most 1; more tokens only average it down).
-    * Against the unquantised query the lse moves by at most the largest score change
-      (log-sum-exp is 1-Lipschitz in the max norm), which the test computes from the rounded q.
-    """
-    gen = rng()
-    l, n = c["l"], c["n"]
-    q_lat, q_pe, pages, table, lengths, keep = _problem(
-        gen, b=4, n=n, l=l, r=c["r"], p=c["p"], max_pages=8, dtype=BF16, lengths=c["lengths"])
-    q8, scales = fp8.quantize(pages.astype(F32) * 3.0, c["sub_block"])
-    cfg = kernel.Config(block_n=32, num_splits=c["splits"], reload_value=c["reload"],
-                        fp8_dot=True, fp8_pv=pv, fp8_q_terms=q_terms)
-    out, lse = kernel.mla_paged_decode(
-        q_lat, q_pe, poison(q8, keep), table, lengths, kv_lora_rank=l, scale=0.2,
-        latent_scales=poison(scales, keep.any(axis=1)), config=cfg)
-    assert out.dtype == BF16
-    AttentionTestBase.check_masked_rows(out, lse, np.broadcast_to(lengths[:, None], (4, n)))
-
-    ql, qp = _quantised_query(q_lat, q_terms), _quantised_query(q_pe, q_terms)
-    exp_out, exp_lse = _reference(ql, qp, q8, table, lengths, l=l, scale=0.2, scales=scales)
-    assert_close(lse, exp_lse, allow_neg_inf=True, atol=1e-4, rtol=1e-5)
-    v = np.asarray(q8[..., :l].astype(F32) * jnp.repeat(scales, c["sub_block"], axis=1)[..., None])
-    v = v[np.asarray(keep)]  # the values some row reads
-    err = np.asarray(out, np.float32) - np.asarray(exp_out, np.float32)
-    if pv:
-        assert np.abs(err).max() <= 2**-4 * np.abs(v).max() + 1e-2
-        assert np.sqrt((err**2).mean()) <= 2**-3 / np.sqrt(12) * np.sqrt((v**2).mean())
-    else:
-        assert_close(out, exp_out, atol=1e-2, rtol=1e-2)
-
-    _, ref_lse = _reference(q_lat, q_pe, q8, table, lengths, l=l, scale=0.2, scales=scales)
-    valid = np.arange(table.shape[1] * c["p"])[None, :] < np.asarray(lengths)[:, None]
-    moved = np.abs(np.asarray(_scores(ql, qp, q8, scales, table, l, 0.2)
-                              - _scores(q_lat, q_pe, q8, scales, table, l, 0.2)))
-    bound = np.where(valid[:, None, :], moved, 0.0).max(axis=-1)  # [B, N]
-    fin = np.isfinite(np.asarray(ref_lse))
-    moved_lse = np.abs(np.asarray(lse)[fin] - np.asarray(ref_lse)[fin])
-    assert (moved_lse <= bound[fin] * 1.01 + 1e-4).all()
-
-
-@triton.jit
-def _cast_kernel(x_ptr, o_ptr, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    tl.store(o_ptr + offs, kernel._to_e4m3(tl.load(x_ptr + offs), not _ON_GPU).to(tl.float32))
-
-
-def test_e4m3_cast_rounds_to_nearest_even():
-    """`_to_e4m3` as ml_dtypes over e4m3's range: ties between subnormals, in the top binade
-    (256..448, steps of 32) and random values (the interpreter's own f32 -> e4m3 cast rounds
-    ties up and turns 500 into 256; see `_to_e4m3`)."""
-    ties = (np.arange(-256, 256) + 0.5) * 2.0**-9
-    top = np.linspace(-448, 448, 1793)
-    rand = rng().standard_normal(1024) * np.exp2(rng().integers(-12, 8, 1024))
-    x = np.clip(np.concatenate([ties, top, rand]), -448, 448).astype(np.float32)
-    x = np.pad(x, (0, 4096 - x.size))
-    got = triton_call(jnp.asarray(x), kernel=_cast_kernel,
-                      out_shape=jax.ShapeDtypeStruct(x.shape, F32), grid=(1,), BLOCK=x.size)
-    exp = x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(got), exp)
-
-
 def test_rows_are_independent_and_deterministic():
     """A batch row equals the same row run alone, bitwise; two runs are identical."""
     gen = rng()
@@ -261,10 +148,6 @@ def test_config_validation():
         kernel.Config(num_splits=0)
     with pytest.raises(ValueError, match="fp8_compute"):
         kernel.Config(fp8_compute="float32")
-    with pytest.raises(ValueError, match="fp8_q_terms"):
-        kernel.Config(fp8_q_terms=3)
-    with pytest.raises(ValueError, match="block_n"):
-        kernel.Config(block_n=16, fp8_dot=True)
 
 
 def test_default_config_fills_whole_waves():
