@@ -166,13 +166,21 @@ def _paged_visit(
         if MASKED:
             visible = ok[None, :] & _visible(cols[None, :], pos[:, None], kv_len, win, sinks, True)
             s = tl.where(visible, qk * SCALE_LOG2, float("-inf"))
-        elif PAGE_TILES:  # every row sees the tile unless its page is -1: a scalar bias (an FMA)
-            s = qk * SCALE_LOG2 + tl.where(page_ok, 0.0, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
+            p = tl.exp2(s - m_use[:, None])
+        elif PAGE_TILES:
+            # Every row sees the whole tile unless its page is -1 (K, V loaded as 0): such a tile
+            # leaves m alone and gets p = 2^(s - inf) = 0. Per-row terms, no select per score, so
+            # the scale folds into the exponent's FMA as in the dense kernel.
+            m_new = tl.where(page_ok, tl.maximum(m, tl.max(qk, 1) * SCALE_LOG2), m)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # -1 pages only, so far
+            p = tl.exp2(qk * SCALE_LOG2 - (m_use + tl.where(page_ok, 0.0, float("inf")))[:, None])
         else:  # every row sees the tile's positions; only unallocated pages drop out
             s = tl.where(ok[None, :], qk * SCALE_LOG2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
-        p = tl.exp2(s - m_use[:, None])
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m - m_use)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]

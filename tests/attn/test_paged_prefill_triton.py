@@ -262,6 +262,25 @@ def test_page_tiles_fp8(monkeypatch, p, bn, page_tiles):
     assert_close(lse, exp_lse, dtype=jnp.bfloat16, allow_neg_inf=True)
 
 
+@pytest.mark.parametrize("p", [16, 64])
+def test_page_tiles_leading_hole_with_very_negative_scores(p):
+    """A -1 page first in the unmasked range, then keys whose scores are all about -360 (base 2):
+    the hole must leave the running max at -inf, or 2^(-360 - 0) underflows every later p."""
+    gen = rng()
+    q, kp, vp, tables, off, lens, owned = _problem(gen, t=5, prefixes=(3 * p,), kh=1, g=2, p=p)
+    u = jnp.full((16,), 0.25, jnp.float32)  # |u| = 1
+    kp = jnp.broadcast_to(u, kp.shape)
+    q = jnp.broadcast_to(-250.0 * u, q.shape)
+    tables = np.asarray(tables).copy()
+    owned[0, tables[0, 0, 0]] = False
+    tables[0, 0, 0] = -1
+    tables = jnp.asarray(tables)
+    sees = _check(q, kp, vp, tables, off, lens, owned, config=kernel.Config(block_m=32,
+                                                                            block_n=16),
+                  scale=1.0)
+    assert sees.all()
+
+
 SKIP_GRID = [(32, 16), (32, 32), (64, 16), (64, 64), (128, 32), (128, 64)]
 
 
