@@ -32,7 +32,7 @@ run-time value folded into the score scale, `log2(e) / sqrt(H) / st / norm`.
 `Config.fp8` (off by default) runs the GEMM on the e4m3 tensor cores (Hopper: twice bf16's
 rate). `quantize_e4m3` (XLA, before the launch) rounds q and k to e4m3 with one power-of-two
 scale per (head, group of `st` consecutive tokens), so per (head, reduced row) for q and per (KV
-head, reduced column) for k, `amax / scale` in (224, 448]; tokens past the lengths become 0.
+head, reduced column) for k, `amax / scale` in [224, 448); tokens past the lengths become 0.
 The e4m3 arrays keep the `[B, T, N, H]` / `[B, S, K, H]` layouts, so the kernel's gathers are
 unchanged and both dot operands are K-major (the features contiguous; `tl.trans(k)` is a view),
 which the fp8 wgmma needs for its shared-memory B operand. The dot is `tl.dot(q8, k8ᵀ)` with
@@ -277,7 +277,7 @@ E4M3_MAX = 448.0
 def quantize_e4m3(x, lengths, stride):
     """`x [B, L, heads, H]` rounded to e4m3 with one power-of-two scale per (request, head,
     `stride` consecutive tokens): returns `(x8 [B, L, heads, H] float8_e4m3fn, scale [B, heads,
-    ceil(L / stride)] float32)`, `x ≈ x8 · scale`. A group's `amax / scale` lies in (224, 448]
+    ceil(L / stride)] float32)`, `x ≈ x8 · scale`. A group's `amax / scale` lies in [224, 448)
     (an all-zero group gets scale 1); tokens at or past `lengths [B]` are read as 0 (they may
     hold NaN). Rounding to nearest even, as `cvt.rn.satfinite` on the GPU."""
     b, l, heads, h = x.shape
@@ -285,7 +285,8 @@ def quantize_e4m3(x, lengths, stride):
     x = jnp.where(keep, x.astype(jnp.float32), 0.0)
     groups = reference._pad_to(x, 1, stride).reshape(b, -1, stride, heads, h)
     amax = jnp.max(jnp.abs(groups), axis=(2, 4))  # [B, L / st, heads]
-    scale = jnp.exp2(jnp.ceil(jnp.log2(jnp.where(amax > 0, amax, E4M3_MAX) / E4M3_MAX)))
+    _, exponent = jnp.frexp(jnp.where(amax > 0, amax, E4M3_MAX / 2) / E4M3_MAX)  # m · 2^e, m in [.5, 1)
+    scale = jnp.ldexp(jnp.float32(1.0), exponent)  # 2^e: amax / scale in [224, 448)
     per_token = jnp.repeat(1.0 / scale, stride, axis=1)[:, :l, :, None]  # powers of two: exact
     x8 = jnp.clip(x * per_token, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
     return x8, scale.transpose(0, 2, 1)
