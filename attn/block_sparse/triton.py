@@ -6,15 +6,37 @@ The block selection is built in XLA: `reference.effective_block_mask` gives `[B,
 ascending order, their count, and how many of them every query of the tile sees whole (a prefix of
 the list: the blocks wholly below the tile's first query and inside the keys). One program owns
 `BLOCK_M` queries (a part of one query tile of `block_size`) of one query head of one request and
-walks its list: the whole blocks with no mask at all, then the rest (the diagonal and the
-length tail) with the token-level causal and length rules. A block of `block_size` keys is read in
-`BLOCK_N`-key steps, online softmax in base 2, fp32 accumulators. The work is thus proportional to
-the selected blocks: at density `d` the kernel does about `d` of the dense kernel's work.
+walks its list in steps of `BLOCK_N` keys: the steps of the whole blocks with no mask at all, then
+the rest (the diagonal and the length tail) with the token-level causal and length rules. Online
+softmax in base 2, fp32 accumulators. The work is thus proportional to the selected blocks: at
+density `d` the kernel does about `d` of the dense kernel's work.
+
+The walk (what changed, and why). Each part is ONE flat loop over the steps `i` of its blocks
+(`block_size // BLOCK_N` steps per listed block, block `blocks[i // steps]`), like the key loop of
+the dense kernel (`attn/dense/triton.py`), so Triton's software pipelining overlaps the K / V
+loads of the next steps with the current step's math across block boundaries. It used to be a
+loop over the listed blocks around a loop over a block's steps: only the inner loop (2 steps at
+the default tiles) was pipelined, so each block issued its first K / V loads in a prologue and
+drained them at its end (the sm_90 TTGIR: `async_wait {num = 0}` in and after the inner loop),
+with the load latency exposed once per block; the likely cause of the measured per-block cost of
+~1.5x the dense kernel's (density 1.0 at 0.65x dense). The block index is loaded one step ahead
+and carried in the loop: loaded in the step that uses it, it makes K / V second-level indirect
+loads, and Triton then splits the `num_stages` budget between the index and K / V (the sm_90
+TTGIR at 3 stages showed K / V prefetched one step ahead, `async_wait {num = 0}`, where the dense
+kernel has two, `num = 2`; carried, both loops here have `num = 2` too). Unmasked steps load
+K / V without masks where the head dims need none, and the default launch is the dense
+forward's (3 stages instead of 2). ptxas (sm_90a, H = 128, 128 x 64 tiles, 8 warps, 3 stages):
+197 registers, no spills, 128 KiB shared memory. None of this is timed yet:
+`experiments/bench_sparse_prefill.py` decides.
 
 Programs are per query head (the modes are per query head, so GQA siblings may walk different
 lists); the heads of a request vary fastest so the programs sharing a KV head run together and
-read its blocks from L2. Query positions: `kv_len - q_len + t` (queries are the last `q_len` of
-`kv_len` keys); query rows past `q_len` give 0 / -inf.
+read its blocks from L2. Folding the `G` heads of a KV head into the query tile (as the dense
+kernel does) is not done: with `BLOCK_M` rows per program either way, a folded program covers
+`BLOCK_M / G` tokens of `G` heads, so the number of programs, the K / V tiles each loads and the
+FLOPs per loaded byte are the same; it only pays for short query tiles (decode-like shapes).
+Query positions: `kv_len - q_len + t` (queries are the last `q_len` of `kv_len` keys); query rows
+past `q_len` give 0 / -inf.
 
 Supports: any group size, `H` / `Hv` up to 256 (padded and masked), bf16 / f16 / f32, block sizes
 that are powers of two >= 16, `q_len <= kv_len` or not. The kernel is forward only; the public op
