@@ -12,8 +12,8 @@ reads one table entry and loads K / V (and the tile's fp8 scales) as contiguous 
 (`BLOCK_N > P`, or `page_tiles=False`) a tile is gathered token by token through the table (a tile
 may span pages). No dense copy of the cache is ever made. A -1 entry is read as the null page 0
 and its tokens are masked (so are keys past `kv_lengths`), with their loads masked too: NaN in
-unowned pages never reaches an output. FP8 pages are dequantised in the
-kernel, tile by tile (`fp8.astype(f32) * scale` per token, then q's dtype for the tensor cores).
+unowned pages never reaches an output. FP8 pages are dequantised in the kernel, tile by tile
+(`fp8.astype(f32) * scale` per token, then q's dtype for the tensor cores).
 
 Window and sinks are per (batch row, KV head), so a per-request policy (streaming heads of one
 request, full heads of another) runs in one launch; tiles outside every row's sink + window are
