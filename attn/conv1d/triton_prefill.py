@@ -43,19 +43,20 @@ from attn.conv1d import reference
 class Config:
     """Launch configuration: token rows and channels per program, warps per program.
 
-    Untimed: no GPU sweep has run. The default is the largest tile ptxas compiles for sm_90a
-    (C = 8192, W4, bf16, state) without spilling: 140 registers; 64 x 128 tiles spill.
+    H100 sweep (`experiments.sweep_conv1d`, T32K, C = 8192, W4, bf16, SiLU, state; NOTES.md
+    session 4): 8 tokens x 512 channels, 4 warps, streaming stores 0.449 ms = 0.791 of the copy
+    ceiling; 32 x 128 0.461-0.465 (0.77); 8 warps and tiles of >= 64 tokens 0.56-0.73.
     """
 
-    block_t: int = 32
-    block_c: int = 128
+    block_t: int = 8
+    block_c: int = 512
     num_warps: int = 4
     # Initial states through a second, tiny kernel over the first W - 1 tokens of each sequence
     # (`_conv_state_fixup_kernel`, which rewrites their `y`) instead of a branch in the main
     # kernel: the main kernel then holds no registers for the state taps.
     state_pass: bool = True
     # Store `y` with `evict_first` (streaming: y does not push the input's halo rows out of L2).
-    stream_store: bool = False
+    stream_store: bool = True
 
     def __post_init__(self):
         if self.block_t < 1 or self.block_t & (self.block_t - 1):

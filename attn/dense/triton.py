@@ -50,17 +50,16 @@ class Config:
     dK / dV walks `bwd_block_m` rows per step over `bwd_block_n` keys)."""
 
     block_m: int = 128
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 8
     num_stages: int = 3
     bwd_block_m: int = 64
     bwd_block_n: int = 64
     bwd_num_warps: int = 8
     bwd_num_stages: int = 2
-    # Forward key loop as `tl.range(..., warp_specialize=True)`: Triton's Hopper pass splits it
-    # into producer (loads) and consumer (dots, softmax) warp groups. Experimental: timed by
-    # `experiments.bench_prefill --sweep` (config suffix `-ws`), off by default.
-    warp_specialize: bool = False
+    # The unmasked key loop as `tl.range(..., warp_specialize=True)`: Triton's Hopper pass splits
+    # it into producer (loads) and consumer (dots, softmax) warp groups.
+    warp_specialize: bool = True
 
     def __post_init__(self):
         _checks.check_launch_config(
@@ -69,15 +68,17 @@ class Config:
 
 
 def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
-    """Tiles for Hopper bf16 at H <= 128: forward 128 rows x 64 keys, 8 warps (two warpgroups of
-    64 rows), 3 stages (ptxas for sm_90a: 234 registers, no spills, 128 KiB shared; 4 warps
-    spill); backward 64 x 64, 8 warps, 2 stages (4 warps spill in dK / dV). Wide heads (> 128)
-    take 32-key tiles and 2 stages so the K/V stages fit in shared memory. Not yet timed on the
-    GPU: `python -m experiments.bench_prefill --sweep` / `--sweep-bwd` decide."""
+    """Tiles for Hopper bf16 at H <= 128: forward 128 rows x 128 keys, 8 warps, 3 stages, the
+    unmasked key loop warp-specialised. H100, causal N32/K8 H128 S16K (benchmarks/NOTES.md,
+    session 4): 4.09 ms = 537 TFLOP/s = 0.91x cuDNN, against 4.53 ms for the former 128 x 64 tiles
+    without warp specialisation (128 x 64 with it 4.43; 2 stages 4.9-5.7; 4 warps do not compile
+    warp-specialised). Backward 64 x 64, 8 warps, 2 stages (4 warps spill in dK / dV). Wide heads
+    (> 128) take 32-key tiles and 2 stages, unspecialised, so the K/V stages fit in shared memory.
+    `python -m experiments.bench_prefill --sweep` / `--sweep-bwd` time alternatives."""
     width = max(head_dim, value_head_dim or head_dim)
     if width > 128:
         return Config(block_m=128, block_n=32, num_warps=8, num_stages=2, bwd_block_m=32,
-                      bwd_block_n=32)
+                      bwd_block_n=32, warp_specialize=False)
     return Config()
 
 
