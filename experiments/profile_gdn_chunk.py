@@ -89,25 +89,39 @@ def cost(b: int, t: int, *, nk: int, nv: int, h: int, hv: int, config: tc.Config
     tiles_state = -(-hv // min(config.block_hv_state, hv))
     tiles_out = -(-hv // min(config.block_hv_out, hv))
     state_bytes = chunks * nv * h * hv
+    fuse = config.fuse_output
+    p_bytes = n_tok * nv * c * inter  # the fused path's P
     gcum = n_tok * nv * f32
     gb = lambda x: x / 1e9
     k_once, k_heads = n_tok * nk * h * in_bytes, n_tok * nv * h * in_bytes
     intra = n_tok * (per_h((nk, h)) * in_bytes + nv * hv * in_bytes + 2 * nv * f32)  # k v g beta
     intra += gcum + n_tok * nv * (h + hv) * inter  # gcum, w, u
     intra += k_once if config.store_kn else 0  # the normalised keys (with l2-norm)
+    intra += k_once + p_bytes if fuse else 0  # q read, P written
     intra_rr = intra - k_once + k_heads
     state = k_once + n_tok * nv * (h + hv) * inter + gcum  # k, w, u, gcum
     state += state_bytes * inter + n_tok * nv * hv * inter + b * nv * h * hv * f32  # hbuf, v_new
     state += b * nv * h * hv * f32 if has_init else 0
+    if fuse:  # no per-chunk states or V_new written; q and P read, o written
+        state += -state_bytes * inter - n_tok * nv * hv * inter + k_once + p_bytes
+        state += n_tok * nv * hv * in_bytes
     state_rr = state - k_once + tiles_state * (k_heads + n_tok * nv * h * inter)
+    if fuse:
+        state_rr += (tiles_state - 1) * p_bytes + tiles_state * k_heads - k_once
     out = 2 * k_once + gcum + state_bytes * inter + 2 * n_tok * nv * hv * inter  # q k gcum h vn o
     out_rr = out - 2 * k_once + 2 * tiles_out * k_heads
+    if fuse:
+        out = out_rr = 0
     heads = chunks * nv
     flops = dict(
         intra=heads * (2 * c * c * h + SOLVE_DOTS[config.solve] * 2 * c**3 + 2 * c * c * (h + hv)),
         state=heads * 4 * c * h * hv,
         output=heads * (tiles_out * 2 * c * c * h + 2 * c * h * hv + 2 * c * c * hv),
     )
+    if fuse:  # Q Kᵀ once in the intra kernel, Q S and P V_new in the state kernel
+        flops["intra"] += heads * 2 * c * c * h
+        flops["state"] += heads * (2 * c * h * hv + 2 * c * c * hv)
+        flops["output"] = 0
     return {name: dict(GB=gb(by), GB_rr=gb(rr), GFLOP=flops[name] / 1e9) for name, by, rr in
             (("intra", intra, intra_rr), ("state", state, state_rr), ("output", out, out_rr))}
 
@@ -137,19 +151,24 @@ def profile_case(b, t, config, *, heads, init, timing, baseline=None, reference=
     """
     xs, h0 = _inputs(b, t, init=init, **heads)
     intra, state, output, x = tc.stages(*xs, h0, use_qk_l2norm=True, config=config)
-    intra, state, output = jax.jit(intra), jax.jit(state), jax.jit(output)
     tables = (x["cstart"], x["clen"])
-    args = {"intra": (x["k2"], x["v2"], x["g2"], x["beta2"], *tables)}
-    gcum, w, u, kn = jax.block_until_ready(intra(*args["intra"]))
-    args["state"] = (kn, w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"])
-    hbuf, v_new, final = jax.block_until_ready(state(*args["state"]))
-    args["output"] = (x["q2"], kn, gcum, hbuf, v_new, *tables)
-    o = output(*args["output"]).reshape(xs[2].shape)
+    intra, state = jax.jit(intra), jax.jit(state)
+    args = {"intra": (x["q2"], x["k2"], x["v2"], x["g2"], x["beta2"], *tables)}
+    gcum, w, u, kn, p = jax.block_until_ready(intra(*args["intra"]))
+    args["state"] = (kn, w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"], x["q2"], p)
+    hbuf, v_new, final, o = jax.block_until_ready(state(*args["state"]))
+    kernels = [("intra", intra), ("state", state)]
+    if output is not None:  # else fuse_output: the state kernel wrote o
+        output = jax.jit(output)
+        args["output"] = (x["q2"], kn, gcum, hbuf, v_new, *tables)
+        o = output(*args["output"])
+        kernels.append(("output", output))
+    o = o.reshape(xs[2].shape)
     whole = jax.jit(lambda q, k, v, g, beta, h0: tc.gdn_chunked(
         q, k, v, g, beta, initial_state=h0, use_qk_l2norm=True, config=config))
     costs = cost(b, t, has_init=init, config=config, **heads)
     rows = []
-    for name, fn in (("intra", intra), ("state", state), ("output", output)):
+    for name, fn in kernels:
         ms = _bench.time_ms(fn, *args[name], **timing)
         rows.append(dict(kernel=name, ms=ms, **costs[name]))
     total_ms = sum(r['ms'] for r in rows)
@@ -177,11 +196,11 @@ def format_table(rows) -> str:
     lines = [f"{head['case']}  config: {head['config']}" + "".join(
         f"  {key} {head[key]:.3g}" for key in ("rel_err_o", "rel_err_final", "ref_err_o",
                                                 "ref_err_final") if key in head)]
-    lines.append(f"{'kernel':<8}{'ms':>9}{'share':>7}{'GB':>8}{'GB_rr':>8}{'TB/s':>7}"
-                 f"{'GFLOP':>9}{'TFLOP/s':>9}")
+    lines.append(f"{'kernel':<8}{'ms':>9} {'share':>6} {'GB':>9} {'GB_rr':>9} {'TB/s':>9} "
+                 f"{'GFLOP':>9} {'TFLOP/s':>9}")
     for r in rows:
-        lines.append(f"{r['kernel']:<8}{r['ms']:>9.3f}{r['share']:>7.0%}{r['GB']:>8.4g}"
-                     f"{r['GB_rr']:>8.4g}{r['GB'] / r['ms']:>7.3g}{r['GFLOP']:>9.4g}"
+        lines.append(f"{r['kernel']:<8}{r['ms']:>9.3f} {r['share']:>6.0%} {r['GB']:>9.4g} "
+                     f"{r['GB_rr']:>9.4g} {r['GB'] / r['ms']:>9.3g} {r['GFLOP']:>9.4g} "
                      f"{r['GFLOP'] / r['ms']:>9.4g}")
     return "\n".join(lines)
 
@@ -220,16 +239,19 @@ for text in sys.argv[1:]:
     common = dict(EPS=1e-6, L2NORM=True, F32=False, NK=16, NV=32, H=128, HV=128, BLOCK_H=128)
     common.update(tc.kernel_options(c))
     report(tc._intra_kernel,
-           dict(k_ptr=bf, v_ptr=bf, g_ptr=f32, beta_ptr=f32, cstart_ptr=i32, clen_ptr=i32,
-                gcum_ptr=f32, w_ptr=bf, u_ptr=bf, kn_ptr=bf),
-           dict(common, BT=64, BLOCK_HV=128, **tc.intra_options(c)), c.intra_warps, 1)
+           dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, g_ptr=f32, beta_ptr=f32, cstart_ptr=i32,
+                clen_ptr=i32, gcum_ptr=f32, w_ptr=bf, u_ptr=bf, kn_ptr=bf, p_ptr=bf),
+           dict(common, BT=64, BLOCK_HV=128, SCALE=128 ** -0.5, **tc.intra_options(c)),
+           c.intra_warps, 1)
     report(tc._state_kernel,
            dict(k_ptr=bf, w_ptr=bf, u_ptr=bf, gcum_ptr=f32, cstart_ptr=i32, clen_ptr=i32,
-                sfirst_ptr=i32, scount_ptr=i32, h0_ptr=f32, hbuf_ptr=bf, vnew_ptr=bf,
-                final_ptr=f32),
-           dict(common, HAS_INIT=False, BT=64, BLOCK_HV=c.block_hv_state,
-                **tc.state_options(c, 32768), L2NORM=not c.store_kn),
+                sfirst_ptr=i32, scount_ptr=i32, h0_ptr=f32, q_ptr=bf, p_ptr=bf, hbuf_ptr=bf,
+                vnew_ptr=bf, final_ptr=f32, o_ptr=bf),
+           dict(common, HAS_INIT=False, BT=64, BLOCK_HV=c.block_hv_state, SCALE=128 ** -0.5,
+                QNORM=True, **tc.state_options(c, 32768), L2NORM=not c.store_kn),
            tc.state_launch(c)["num_warps"], tc.state_launch(c)["num_stages"])
+    if c.fuse_output:
+        continue
     report(tc._output_kernel,
            dict(q_ptr=bf, k_ptr=bf, gcum_ptr=f32, hbuf_ptr=bf, vnew_ptr=bf, cstart_ptr=i32,
                 clen_ptr=i32, o_ptr=bf),

@@ -92,6 +92,11 @@ class Config:
     # The state kernel's launch on its own (0: `num_warps` / `num_stages`, as the output kernel).
     state_warps: int = 0
     state_stages: int = 0
+    # No output kernel: the intra kernel also stores P = (Q Kᵀ) ⊙ L [B·T, Nv, C] (v's dtype) and
+    # the state kernel writes O chunk by chunk from the state it holds: the per-chunk states
+    # (the largest intermediate, written and read once each) and V_new never reach HBM. The
+    # output's dots follow `out_bf16`; they sit off the sequential S chain but in its loop.
+    fuse_output: bool = False
 
     def __post_init__(self):
         if self.solve not in SOLVES:
@@ -230,6 +235,7 @@ def _store_rows(ptr, start, r, I32: tl.constexpr, valid, head, offs, mask, x, NV
 
 @triton.jit
 def _intra_kernel(
+    q_ptr,  # [N_TOK, NK, H] (read if FUSE)
     k_ptr,  # [N_TOK, NK, H]
     v_ptr,  # [N_TOK, NV, HV]
     g_ptr,  # [N_TOK, NV]
@@ -240,6 +246,8 @@ def _intra_kernel(
     w_ptr,  # [N_TOK, NV, H], out
     u_ptr,  # [N_TOK, NV, HV], out
     kn_ptr,  # [N_TOK, NK, H] the l2-normalised keys, out if STORE_KN (else a dummy)
+    p_ptr,  # [N_TOK, NV, BT] P = (Q Kᵀ) ⊙ L (causal, diagonal included), out if FUSE
+    SCALE: tl.constexpr,
     EPS: tl.constexpr,
     L2NORM: tl.constexpr,
     F32: tl.constexpr,
@@ -254,6 +262,8 @@ def _intra_kernel(
     STACKED: tl.constexpr,
     SOLVE_LP: tl.constexpr,
     STORE_KN: tl.constexpr,
+    FUSE: tl.constexpr,
+    OUT_LP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
 ):
@@ -283,6 +293,12 @@ def _intra_kernel(
     lower = r[:, None] > r[None, :]
     decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
     a = tl.where(lower, _dot_lp(k * beta[:, None], tl.trans(k), F32) * decay, 0.0)
+    if FUSE:  # the output's intra-chunk scores, for the state kernel (the output kernel's)
+        q = _load_keys(q_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
+        causal = r[:, None] >= r[None, :]
+        pdecay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
+        scores = tl.where(causal, _sdot(q * SCALE, tl.trans(k), F32, OUT_LP) * pdecay, 0.0)
+        _store_rows(p_ptr, start, r, I32, valid, head, r, r < BT, scores, NV, BT)
     # (I + A)⁻¹: forward substitution inside the SUB × SUB diagonal blocks (the block-diagonal
     # inverse D), then merged by fours (`_block_merge`) up to BT rows: SUB = 16 one merge,
     # SUB = 4 ("nested") two.
@@ -316,9 +332,12 @@ def _state_kernel(
     sfirst_ptr,  # [NS] int32 first chunk of each sequence
     scount_ptr,  # [NS] int32 chunks of each sequence
     h0_ptr,  # [NS, NV, H, HV] float32 (a dummy unless HAS_INIT)
-    hbuf_ptr,  # [NC, NV, H, HV] state entering each chunk, out
-    vnew_ptr,  # [N_TOK, NV, HV] V_new = U − W S, out
+    q_ptr,  # [N_TOK, NK, H] (read if FUSE)
+    p_ptr,  # [N_TOK, NV, BT] the intra kernel's P (read if FUSE)
+    hbuf_ptr,  # [NC, NV, H, HV] state entering each chunk, out (unless FUSE)
+    vnew_ptr,  # [N_TOK, NV, HV] V_new = U − W S, out (unless FUSE)
     final_ptr,  # [NS, NV, H, HV] float32, out
+    o_ptr,  # [N_TOK, NV, HV], out if FUSE
     EPS: tl.constexpr,
     L2NORM: tl.constexpr,
     F32: tl.constexpr,
@@ -326,6 +345,10 @@ def _state_kernel(
     HAS_INIT: tl.constexpr,
     T_ROW: tl.constexpr,
     DECAY_V: tl.constexpr,
+    FUSE: tl.constexpr,
+    OUT_LP: tl.constexpr,
+    QNORM: tl.constexpr,
+    SCALE: tl.constexpr,
     NK: tl.constexpr,
     NV: tl.constexpr,
     H: tl.constexpr,
@@ -360,18 +383,31 @@ def _state_kernel(
         else:
             start = tl.load(cstart_ptr + ci)
             n = tl.load(clen_ptr + ci)
-        tl.store(hbuf_ptr + (ci.to(tl.int64) * NV + head) * (H * HV) + tile,
-                 s.to(hbuf_ptr.dtype.element_ty), mask=mask)
+        if not FUSE:
+            tl.store(hbuf_ptr + (ci.to(tl.int64) * NV + head) * (H * HV) + tile,
+                     s.to(hbuf_ptr.dtype.element_ty), mask=mask)
         valid = r < n
         w = tl.load(_tile(w_ptr, start, r, I32, head, offs_h, NV, H),  # [BT, BLOCK_H]
                     mask=valid[:, None] & mask_h[None, :], other=0.0)
         u = tl.load(_tile(u_ptr, start, r, I32, head, offs_v, NV, HV),  # [BT, BLOCK_HV]
                     mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
         v_new = u - _dot_lp(w, s, F32)  # [BT, BLOCK_HV]
-        _store_rows(vnew_ptr, start, r, I32, valid, head, offs_v, mask_v, v_new, NV, HV)
+        if not FUSE:
+            _store_rows(vnew_ptr, start, r, I32, valid, head, offs_v, mask_v, v_new, NV, HV)
         if not F32:
-            v_new = v_new.to(vnew_ptr.dtype.element_ty).to(tl.float32)  # what the output reads
+            v_new = v_new.to(w_ptr.dtype.element_ty).to(tl.float32)  # what the output reads
         gc = tl.load(_col(gcum_ptr, start, r, I32, head, NV), mask=valid, other=0.0)  # [BT]
+        if FUSE:  # O = (Q ⊙ exp(G)) S + P V_new for this chunk and value tile (off the S chain)
+            q = _load_keys(q_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, QNORM, NK,
+                           H) * SCALE
+            if OUT_LP:
+                o = _sdot(q, s, F32, OUT_LP) * tl.exp(gc)[:, None]
+            else:
+                o = _sdot(q * tl.exp(gc)[:, None], s, F32, OUT_LP)
+            pm = tl.load(_tile(p_ptr, start, r, I32, head, r, NV, BT), mask=valid[:, None],
+                         other=0.0)
+            o += _sdot(pm, v_new, F32, OUT_LP)
+            _store_rows(o_ptr, start, r, I32, valid, head, offs_v, mask_v, o, NV, HV)
         g_last = tl.load(gcum_ptr + (start + n - 1).to(tl.int64) * NV + head)
         # Keys stored normalised (bf16) go into the dot as loaded when nothing scales them.
         k = _load_keys(k_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H,
@@ -530,9 +566,11 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_qk_l2nor
     intra, state, output, x = stages(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
                                      use_qk_l2norm=use_qk_l2norm, config=config)
     tables = (x["cstart"], x["clen"])
-    gcum, w, u, kn = intra(x["k2"], x["v2"], x["g2"], x["beta2"], *tables)
-    hbuf, v_new, final = state(kn, w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"])
-    o = output(x["q2"], kn, gcum, hbuf, v_new, *tables)
+    gcum, w, u, kn, p = intra(x["q2"], x["k2"], x["v2"], x["g2"], x["beta2"], *tables)
+    hbuf, v_new, final, o = state(kn, w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"],
+                                  x["q2"], p)
+    if output is not None:  # else `config.fuse_output`: the state kernel wrote o
+        o = output(x["q2"], kn, gcum, hbuf, v_new, *tables)
     return o.reshape(v.shape), final
 
 
@@ -546,12 +584,13 @@ def intra_options(config: Config) -> dict:
     l2-norm)."""
     return dict(SUB=4 if config.solve == "nested" else _SUB, HOIST=config.solve == "subst_hoist",
                 STACKED=config.solve == "stacked", SOLVE_LP=config.solve_bf16,
-                STORE_KN=config.store_kn)
+                STORE_KN=config.store_kn, FUSE=config.fuse_output, OUT_LP=config.out_bf16)
 
 
 def state_options(config: Config, t_row: int = 0) -> dict:
     """`_state_kernel`'s constexprs from `config`; `t_row` the row length without cu_seqlens."""
-    return dict(DECAY_V=config.decay_on_v, T_ROW=t_row if config.affine_state else 0)
+    return dict(DECAY_V=config.decay_on_v, T_ROW=t_row if config.affine_state else 0,
+                FUSE=config.fuse_output, OUT_LP=config.out_bf16)
 
 
 def state_launch(config: Config) -> dict:
@@ -569,11 +608,14 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
     `experiments/profile_gdn_chunk.py` times them one by one).
 
     Returns:
-      `(intra, state, output, x)`: `intra(k2, v2, g2, beta2, cstart, clen) -> (gcum, w, u, kn)`,
-      `state(kn, w, u, gcum, cstart, clen, sfirst, scount, h0) -> (hbuf, v_new, final)`,
+      `(intra, state, output, x)`:
+      `intra(q2, k2, v2, g2, beta2, cstart, clen) -> (gcum, w, u, kn, p)`,
+      `state(kn, w, u, gcum, cstart, clen, sfirst, scount, h0, q2, p) -> (hbuf, v_new, final, o)`,
       `output(q2, kn, gcum, hbuf, v_new, cstart, clen) -> o [B·T, Nv, Hv]`, and `x` the flattened
       inputs and chunk tables by those names. `kn` is the l2-normalised keys with
-      `config.store_kn` and l2-norm, else `k2` itself.
+      `config.store_kn` and l2-norm, else `k2` itself. With `config.fuse_output`, `output` is
+      None and the state kernel's `o` is the output (`hbuf` and `v_new` `(1,)` dummies); else
+      `p` and `o` are the dummies.
     """
     bsz, t, nk, h = q.shape
     nv, hv = v.shape[2:]
@@ -597,33 +639,36 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
     common = dict(EPS=L2NORM_EPS, L2NORM=l2, F32=f32, NK=nk, NV=nv, H=h, HV=hv, BLOCK_H=block_h,
                   **kernel_options(config))
 
-    def intra(k2, v2, g2, beta2, cstart, clen):
+    fuse = config.fuse_output
+    shape = lambda full, on: jax.ShapeDtypeStruct(full if on else (1,), inter)
+
+    def intra(q2, k2, v2, g2, beta2, cstart, clen):
         out = triton_call(
-            k2, v2, g2, beta2, cstart, clen,
+            q2, k2, v2, g2, beta2, cstart, clen,
             kernel=_intra_kernel,
             out_shape=(jax.ShapeDtypeStruct((n_tok, nv), jnp.float32),
                        jax.ShapeDtypeStruct((n_tok, nv, h), inter),
                        jax.ShapeDtypeStruct((n_tok, nv, hv), inter),
-                       jax.ShapeDtypeStruct((n_tok, nk, h) if store_kn else (1,), inter)),
+                       shape((n_tok, nk, h), store_kn), shape((n_tok, nv, CHUNK), fuse)),
             grid=(n_chunks, nv),
             num_warps=config.intra_warps,
             num_stages=1,
-            BT=CHUNK, BLOCK_HV=block_hv, **dict(intra_options(config), STORE_KN=store_kn),
-            **common,
+            BT=CHUNK, BLOCK_HV=block_hv, SCALE=float(scale),
+            **dict(intra_options(config), STORE_KN=store_kn), **common,
         )
-        return (*out[:3], out[3] if store_kn else k2)
+        return (*out[:3], out[3] if store_kn else k2, out[4])
 
-    def state(k2, w, u, gcum, cstart, clen, sfirst, scount, h0):
+    def state(k2, w, u, gcum, cstart, clen, sfirst, scount, h0, q2, p):
         bv = min(config.block_hv_state, block_hv)
         return triton_call(
-            k2, w, u, gcum, cstart, clen, sfirst, scount, h0,
+            k2, w, u, gcum, cstart, clen, sfirst, scount, h0, q2, p,
             kernel=_state_kernel,
-            out_shape=(jax.ShapeDtypeStruct((n_chunks, nv, h, hv), inter),
-                       jax.ShapeDtypeStruct((n_tok, nv, hv), inter),
-                       jax.ShapeDtypeStruct((n_seq, nv, h, hv), jnp.float32)),
+            out_shape=(shape((n_chunks, nv, h, hv), not fuse), shape((n_tok, nv, hv), not fuse),
+                       jax.ShapeDtypeStruct((n_seq, nv, h, hv), jnp.float32),
+                       jax.ShapeDtypeStruct((n_tok, nv, hv) if fuse else (1,), q.dtype)),
             grid=(n_seq, nv, triton.cdiv(hv, bv)),
             **state_launch(config),
-            HAS_INIT=has_init, BT=CHUNK, BLOCK_HV=bv,
+            HAS_INIT=has_init, BT=CHUNK, BLOCK_HV=bv, SCALE=float(scale), QNORM=l2,
             **state_options(config, t if cu_seqlens is None else 0),
             **dict(common, L2NORM=l2 and not store_kn),
         )
@@ -641,4 +686,4 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
             **output_options(config), **common,
         )
 
-    return intra, state, output, x
+    return intra, state, None if fuse else output, x

@@ -373,6 +373,9 @@ SPEED_OPTIONS = [
     dict(solve="stacked", out_bf16=True, decay_on_v=True, i32_offsets=True, store_kn=True,
          block_hv_state=16, affine_state=True, state_warps=4, state_stages=1),
     dict(affine_state=True),
+    dict(fuse_output=True),  # the output from the state kernel, TF32 / P in bf16
+    dict(fuse_output=True, out_bf16=True, store_kn=True, decay_on_v=True, i32_offsets=True,
+         affine_state=True, block_hv_state=16),
 ]
 SPEED_IDS = [case_id(**o) for o in SPEED_OPTIONS]
 
@@ -450,12 +453,13 @@ def test_chunked_speed_options_compile_for_sm90():
     from experiments import profile_gdn_chunk as prof
 
     configs = ["solve=nested,solve_bf16=1,out_bf16=1,decay_on_v=1,i32_offsets=1,store_kn=1",
-               "solve=stacked,affine_state=1,state_warps=4,state_stages=1"]
+               "solve=stacked,affine_state=1,state_warps=4,state_stages=1",
+               "fuse_output=1,out_bf16=1,store_kn=1,decay_on_v=1"]  # no output kernel
     done = prof.ptxas_report(configs, capture=True)
     if "No such file" in done.stderr or "FileNotFoundError" in done.stderr:
         pytest.skip("Triton's bundled ptxas is missing")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("registers") == 3 * len(configs), done.stdout
+    assert done.stdout.count("registers") == 3 * len(configs) - 1, done.stdout
 
 
 def test_profile_gdn_chunk_quick_runs_and_counts():
@@ -484,12 +488,14 @@ def test_profile_gdn_chunk_quick_runs_and_counts():
     intra, state, output, x = chunk_kernel.stages(*xs, h0, use_qk_l2norm=True, config=config)
     tables = (x["cstart"], x["clen"])
     ins = {"intra": (x["k2"], x["v2"], x["g2"], x["beta2"])}
-    outs = {"intra": intra(*ins["intra"], *tables)}
-    gcum, w, u, kn = outs["intra"]
-    assert kn.shape == x["k2"].shape and kn is not x["k2"]
+    gcum, w, u, kn, p = intra(x["q2"], *ins["intra"], *tables)
+    assert kn.shape == x["k2"].shape and kn is not x["k2"] and p.shape == (1,)
+    outs = {"intra": (gcum, w, u, kn)}
     ins["state"] = (kn, w, u, gcum, x["h0"])
-    outs["state"] = state(kn, w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"])
-    hbuf, v_new, _ = outs["state"]
+    hbuf, v_new, final, o_dummy = state(kn, w, u, gcum, *tables, x["sfirst"], x["scount"],
+                                        x["h0"], x["q2"], p)
+    assert o_dummy.shape == (1,)
+    outs["state"] = (hbuf, v_new, final)
     ins["output"] = (x["q2"], kn, gcum, hbuf, v_new)
     outs["output"] = (output(*ins["output"], *tables),)
     counts = prof.cost(b, t, config=config, has_init=True, **heads)
@@ -497,9 +503,28 @@ def test_profile_gdn_chunk_quick_runs_and_counts():
         nbytes = sum(a.nbytes for a in ins[name] + outs[name])
         assert counts[name]["GB"] * 1e9 == pytest.approx(nbytes), name
         assert counts[name]["GB_rr"] >= counts[name]["GB"]
-    solve = b * 2 * heads["nv"] * prof.SOLVE_DOTS["nested"] * 2 * chunk_kernel.CHUNK**3
-    total = sum(c["GFLOP"] for c in counts.values()) * 1e9 - solve
-    assert total == pytest.approx(bench_gdn_prefill.gdn_flops(b, t, 2, 16, 32))
+    # Fused: q in / P out of the intra kernel; the state kernel reads q and P and writes o (no
+    # per-chunk states or V_new); no output kernel.
+    fused = chunk_kernel.Config(fuse_output=True)
+    intra, state, output, x = chunk_kernel.stages(*xs, h0, use_qk_l2norm=True, config=fused)
+    assert output is None
+    gcum, w, u, kn, p = intra(x["q2"], *ins["intra"], *tables)
+    assert p.shape == (b * t, 2, chunk_kernel.CHUNK) and kn is ins["intra"][0]
+    hbuf, v_new, final, o = state(kn, w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"],
+                                  x["q2"], p)
+    assert hbuf.shape == v_new.shape == (1,)
+    fcounts = prof.cost(b, t, config=fused, has_init=True, **heads)
+    nbytes = {"intra": (x["q2"], *ins["intra"], gcum, w, u, p),
+              "state": (kn, w, u, gcum, x["h0"], x["q2"], p, final, o)}
+    for name, arrays in nbytes.items():
+        assert fcounts[name]["GB"] * 1e9 == pytest.approx(sum(a.nbytes for a in arrays)), name
+    assert fcounts["output"]["GB"] == fcounts["output"]["GFLOP"] == 0
+    # One value tile per output program (block_hv_out = Hv): the same matmuls either way.
+    chunks_heads = b * 2 * heads["nv"]
+    for cnt, solve in ((counts, "nested"), (fcounts, "subst")):
+        solve_flops = chunks_heads * prof.SOLVE_DOTS[solve] * 2 * chunk_kernel.CHUNK**3
+        total = sum(c["GFLOP"] for c in cnt.values()) * 1e9 - solve_flops
+        assert total == pytest.approx(bench_gdn_prefill.gdn_flops(b, t, 2, 16, 32)), solve
 
 
 def test_bench_gdn_prefill_smoke_runs_on_cpu(tmp_path):
