@@ -285,7 +285,8 @@ def quantize_e4m3(x, lengths, stride):
     x = jnp.where(keep, x.astype(jnp.float32), 0.0)
     groups = reference._pad_to(x, 1, stride).reshape(b, -1, stride, heads, h)
     amax = jnp.max(jnp.abs(groups), axis=(2, 4))  # [B, L / st, heads]
-    _, exponent = jnp.frexp(jnp.where(amax > 0, amax, E4M3_MAX / 2) / E4M3_MAX)  # m · 2^e, m in [.5, 1)
+    # amax / 448 = m · 2^e with m in [1/2, 1); an all-zero group takes e = 0.
+    _, exponent = jnp.frexp(jnp.where(amax > 0, amax, E4M3_MAX / 2) / E4M3_MAX)
     scale = jnp.ldexp(jnp.float32(1.0), exponent)  # 2^e: amax / scale in [224, 448)
     per_token = jnp.repeat(1.0 / scale, stride, axis=1)[:, :l, :, None]  # powers of two: exact
     x8 = jnp.clip(x * per_token, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)

@@ -303,8 +303,9 @@ def test_fp8_block_sums_within_rounding_tolerance(dtype):
     take `Δ = 6 max σ` over all (row, column) as the largest move (a 6σ excursion has
     probability ~2e-9 per score, ~2e4 scores here). A softmax probability with every logit of
     its row moved by at most Δ changes by a factor in `[e^-2Δ, e^2Δ]`, and so does any sum of
-    them: `|sums8 - sums| <= (e^2Δ - 1) sums`. Here (H32, st16) Δ is about 0.08, a 17% bound;
-    the measured error is some ten times smaller; a missing or doubled scale breaks it."""
+    them: `|sums8 - sums| <= (e^2Δ - 1) sums`. Here (H32, st16) Δ is about 0.09, a 20% bound;
+    measured errors were <= 1.5% (three draws); a missing k scale or a doubled score scale
+    breaks it (tried), a 1.25x one only the exact test above."""
     b, t, s, n, kh, h, bs, st = 1, 256, 256, 4, 2, 32, 32, 16
     q, k, _ = _problem(rng(), b, t, s, n, kh, h, None, None, dtype)
     opts = dict(block_size=bs, stride=st, threshold=0.9)
@@ -372,11 +373,14 @@ def test_gpu_fp8_mask_agreement_32k(name):
     """S = T = 32K, N 8 over K 2, H 128, stride 16, τ 0.9, unit-normal bf16 q and k: the fp8
     path's masks against the bf16 kernel's. Random q and k are the hard case: every row's block
     masses are near-uniform, so blocks near the threshold cut differ by ~1e-4 of the row mass
-    and the fp8 error (per-score std ~0.05/sqrt(st) = 0.013 logits, ~1e-3 relative on a block
-    sum of 8 x 8 scores) reorders them. Asserted: identical entries >= 0.95 (the causal upper
-    triangle, half the entries, always agrees, so this allows ~10% of the visible entries to
-    flip), and per query tile the fp8 mask still covers >= τ - 0.01 of the bf16 row mass (what
-    the sparse pass needs). Prints the agreement."""
+    and the fp8 rounding (per-score std ~0.05/sqrt(st) = 0.013 logits, ~1e-3 relative on a
+    block sum) reorders them. The XLA emulation of the same rounding on a CPU (`fp8=True,
+    implementation="xla"`, one draw, S 32K, N 4) gave 0.9967 identical entries (0.9934 of the
+    causal ones), block sums 1e-3 off on average (max 6e-3) and every row still covering 0.9000
+    of the bf16 mass; the GPU adds the fast fp8 accumulation (~2^-13 relative per add, far below
+    e4m3's 2^-4). Asserted: identical entries >= 0.98 (six times the emulated flip rate) and
+    every query tile's fp8 mask covering >= τ - 0.01 of the bf16 row mass (what the sparse pass
+    needs). Prints the agreement (run with -s)."""
     q, k, _ = _problem(rng(), 1, 32768, 32768, 8, 2, 128, None, None, dtype=BF16)
     opts = dict(block_size=128, stride=16, threshold=0.9)
     sums16, mask16 = kernel.xattn_estimate(q, k, config=C(), **opts)
@@ -389,5 +393,5 @@ def test_gpu_fp8_mask_agreement_32k(name):
     print(f"{name}: masks agree on {agree:.5f} of all entries, {agree_visible:.5f} of the "
           f"causal ones; fp8 kept {m8.sum()} blocks, bf16 {m16.sum()}; min covered mass "
           f"{covered.min():.4f}")
-    assert agree >= 0.95, f"masks agree on {agree:.4f} of the blocks"
+    assert agree >= 0.98, f"masks agree on {agree:.4f} of the blocks"
     assert covered.min() >= 0.9 - 0.01
