@@ -7,8 +7,10 @@ all the heads of the block. Token s of row b is `latent[table[b, s // P], s % P]
 part over the last `R`, each padded to a power of two and masked, so no dimension is hard-coded;
 the value is the same `c_kv` tile, loaded once and used for both the score and the PV product
 (FP8 may load it a second time instead, `Config.reload_value`: see `default_config`).
-Keys are gathered token by token through the block table (a tile may span pages of any size `P`);
-a -1 entry reads the null page 0 and is masked. FP8 latent pages are dequantised in the kernel:
+When the key tile divides the page size (`Config.page_tiles`, the default), a tile lies in one
+page: one page id per tile, read a tile ahead, and one strided 2-D load; otherwise keys are
+gathered token by token through the block table (a tile may span pages of any size `P`). A -1
+entry reads the null page 0 and is masked. FP8 latent pages are dequantised in the kernel:
 the token's scale multiplies the score columns and the probabilities, so the tiles go to the
 tensor cores unscaled (widened to float16: e4m3 -> f16 is one instruction on Hopper).
 
@@ -49,6 +51,10 @@ class Config:
     # FP8 tiles widen to this dtype for the tensor cores. e4m3 -> f16 is one conversion
     # instruction on Hopper; e4m3 -> bf16 is not.
     fp8_compute: str = "float16"
+    # When `BLOCK_N` divides the page size, a key tile lies in one page: its page id is one
+    # scalar, read a tile ahead (loop-carried, so the pipeliner can issue the latent loads stages
+    # ahead) and the rows are one strided 2-D block. Otherwise tokens are gathered one by one.
+    page_tiles: bool = True
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -131,6 +137,7 @@ def _mla_decode_kernel(
     BLOCK_R: tl.constexpr,
     RELOAD_V: tl.constexpr,
     PRECISION: tl.constexpr,
+    PAGE_TILES: tl.constexpr,
 ):
     # Head blocks vary fastest, so the programs sharing a sequence's latent run together (L2).
     hb = tl.program_id(0)
@@ -169,11 +176,18 @@ def _mla_decode_kernel(
     m = tl.full([BLOCK_HEADS], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_HEADS], tl.float32)
     acc = tl.zeros([BLOCK_HEADS, BLOCK_L], tl.float32)
+    # Page tiles: `lo` is page-aligned and BLOCK_N divides P, so tile t lies in one page.
+    next_page = tl.load(table_row + lo // P, mask=PAGE_TILES & (tiles > 0), other=0)
     for t in range(0, tiles):
         pos = lo + t * BLOCK_N + offs_n  # [BLOCK_N] token positions of the row
         valid = pos < hi
-        page = tl.load(table_row + pos // P, mask=valid, other=0)
-        page = tl.where(page < 0, 0, page)  # -1: null page, masked below
+        if PAGE_TILES:
+            page = tl.maximum(next_page, 0)  # -1: the null page, masked below
+            ahead = lo + (t + 1) * BLOCK_N
+            next_page = tl.load(table_row + ahead // P, mask=ahead < hi, other=0)
+        else:
+            page = tl.load(table_row + pos // P, mask=valid, other=0)
+            page = tl.where(page < 0, 0, page)  # -1: null page, masked below
         row = page.to(tl.int64) * P + pos % P  # [BLOCK_N] latent rows
         c_kv = tl.load(  # [BLOCK_N, BLOCK_L]: the key's first L features and the value
             latent_ptr + row[:, None] * (L + R) + offs_l[None, :],
@@ -269,6 +283,7 @@ def mla_paged_decode_partials(
         BLOCK_R=max(16, triton.next_power_of_2(r)),
         RELOAD_V=config.reload_value,
         PRECISION=precision,
+        PAGE_TILES=config.page_tiles and p % config.block_n == 0,
     )
     return o, lse
 

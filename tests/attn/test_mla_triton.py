@@ -49,21 +49,25 @@ CASES = [  # lengths: full, padding (0), 1, and not multiples of P
          dtype=BF16),
     dict(l=32, r=32, n=20, p=16, max_pages=5, lengths=[79, 0, 1, 18], splits=3, block_n=32,
          dtype=F32),
+    dict(l=64, r=32, n=16, p=32, max_pages=4, lengths=[128, 0, 33, 97], splits=2, block_n=16,
+         dtype=BF16),  # page tiles: two tiles a page, the next page id read a tile ahead
 ]
 
 
 @pytest.mark.parametrize("c", CASES, ids=lambda c: case_id(
     L=c["l"], R=c["r"], N=c["n"], P=c["p"], J=c["splits"], BN=c["block_n"]) + "-"
     + jnp.dtype(c["dtype"]).name)
-def test_kernel_matches_reference(c):
-    """Unowned pages and padding tokens are NaN; 20 heads cover two head blocks with a tail."""
+@pytest.mark.parametrize("page_tiles", [True, False], ids=["page-tiles", "gather"])
+def test_kernel_matches_reference(c, page_tiles):
+    """Unowned pages and padding tokens are NaN; 20 heads cover two head blocks with a tail.
+    Page tiles apply where BLOCK_N divides P (else, and with page_tiles=False, the gather)."""
     gen = rng()
     l, n = c["l"], c["n"]
     q_lat, q_pe, pages, table, lengths, keep = _problem(
         gen, b=4, n=n, l=l, r=c["r"], p=c["p"], max_pages=c["max_pages"], dtype=c["dtype"],
         lengths=c["lengths"])
     pages = poison(pages, keep)
-    cfg = kernel.Config(block_n=c["block_n"], num_splits=c["splits"])
+    cfg = kernel.Config(block_n=c["block_n"], num_splits=c["splits"], page_tiles=page_tiles)
     out, lse = kernel.mla_paged_decode(q_lat, q_pe, pages, table, lengths, kv_lora_rank=l,
                                        scale=0.25, config=cfg)
     exp_out, exp_lse = _reference(q_lat, q_pe, pages, table, lengths, l=l, scale=0.25)
