@@ -110,7 +110,7 @@ def test_seed_block_128_bf16_default_config():
 
 def test_block_lists_whole_prefix_is_fully_visible():
     """The unmasked prefix of every list holds only blocks every query of its tile sees whole,
-    and the lists hold exactly the selected blocks in ascending order."""
+    and the lists hold exactly the selected blocks in ascending order, then the others."""
     gen = rng()
     b, n, t, s, bs = 3, 4, 70, 150, 16
     modes = jnp.asarray(gen.choice([0, 1, -1], (b, n)), jnp.int32)
@@ -124,6 +124,11 @@ def test_block_lists_whole_prefix_is_fully_visible():
         eff, jnp.asarray(q_len), jnp.asarray(kv_len), bs))
     eff = np.asarray(eff)
     assert (whole <= count).all() and whole.sum() > 0 and (count - whole).sum() > 0
+    # Every row is a permutation of the blocks (the padding past `count` too: the kernel loads
+    # the entry after the last step ahead of time), the one a stable argsort gives.
+    np.testing.assert_array_equal(np.sort(blocks, axis=-1),
+                                  np.broadcast_to(np.arange(eff.shape[-1]), blocks.shape))
+    np.testing.assert_array_equal(blocks, np.argsort(~eff, axis=-1, kind="stable"))
     for i in range(b):
         for h in range(n):
             for r in range(eff.shape[2]):
