@@ -26,8 +26,10 @@ TTGIR at 3 stages showed K / V prefetched one step ahead, `async_wait {num = 0}`
 kernel has two, `num = 2`; carried, both loops here have `num = 2` too). Unmasked steps load
 K / V without masks where the head dims need none, and the default launch is the dense
 forward's (3 stages instead of 2). ptxas (sm_90a, H = 128, 128 x 64 tiles, 8 warps, 3 stages):
-197 registers, no spills, 128 KiB shared memory. None of this is timed yet:
-`experiments/bench_sparse_prefill.py` decides.
+197 registers, no spills, 128 KiB shared memory. `block_lists` builds the lists with one
+scatter (slots from a cumulative sum) instead of a stable argsort of each of the `B N Tb` rows
+(the same lists; at S = 128K that sort is over 32M entries, inside the timed call). None of this
+is timed yet: `experiments/bench_sparse_prefill.py` decides.
 
 Programs are per query head (the modes are per query head, so GQA siblings may walk different
 lists); the heads of a request vary fastest so the programs sharing a KV head run together and
