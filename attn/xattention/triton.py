@@ -88,6 +88,9 @@ class Config:
     fit an SM. Not timed on a GPU yet; `tests/attn/test_xattention_triton.py: SWEEP` lists the
     shapes to sweep (all compile without spills). `scratch_bytes` bounds the per-(row, key
     block) scratch of one launch; more (request, head) pairs than fit run in further launches.
+    `fp8` quantises q and k to e4m3 and runs the GEMM on the fp8 tensor cores (see the module
+    docstring); it needs `block_k >= 32`, and `block_k = 128` makes each token's slice one
+    128-byte row (the sweep's `fp8-*` configurations; not timed yet).
     """
 
     block_r: int = 128

@@ -190,13 +190,14 @@ def test_gpu_matches_reference(stride):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(SWEEP))
 def test_gpu_sweep_configs(name):
-    """Each configuration the sweep tries compiles and matches (a launch gate for the sweep)."""
+    """Each configuration the sweep tries compiles and matches (a launch gate for the sweep);
+    fp8 ones against the reference on the same e4m3-rounded inputs."""
     gen = rng()
     q, k, lens = _problem(gen, 1, 2048, 3000, 8, 2, 128, [2000], [2900], dtype=BF16)
     opts = dict(block_size=128, stride=16, threshold=0.9, **lens)
     sums, _ = kernel.xattn_estimate(q, k, config=SWEEP[name], **opts)
     exp_sums, _ = xattn_estimate(_clean(q).astype(F32), _clean(k).astype(F32),
-                                 implementation="xla", **opts)
+                                 implementation="xla", fp8=SWEEP[name].fp8, **opts)
     assert_close(sums, exp_sums, atol=1e-2, rtol=1e-2)
 
 
@@ -351,6 +352,8 @@ def test_fp8_selects_planted_blocks():
             expect[0, n, r, [0, r, f(r)]] = True
     np.testing.assert_array_equal(np.asarray(mask16), expect)
     np.testing.assert_array_equal(np.asarray(mask8), expect)
+    _, public = xattn_estimate(q, k, implementation="triton", fp8=True, **opts)  # Config(fp8)
+    np.testing.assert_array_equal(np.asarray(public), expect)
 
 
 @pytest.mark.gpu
