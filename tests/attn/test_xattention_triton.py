@@ -172,6 +172,12 @@ def test_config_refuses(field, value):
         kernel.Config(**{field: value})
 
 
+def test_config_refuses_fp8_below_one_mma_slice():
+    with pytest.raises(ValueError, match="block_k=16 must be >= 32 with fp8"):
+        kernel.Config(fp8=True, block_k=16)
+    kernel.Config(fp8=True, block_k=32)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("stride", [8, 16])
 def test_gpu_matches_reference(stride):
