@@ -27,6 +27,14 @@ accumulation; the `(I + A)⁻¹` solve and the output kernel's products in TF32 
 the output error in the interpreter and made ptxas spill); the state carried from chunk to chunk
 stays float32 in registers.
 
+`Config`'s speed options (all off by default, untimed as of writing; each tested in the
+interpreter and compiled for sm_90a by the tests): the solve's variants (`solve`, `solve_bf16`),
+bf16 output dots (`out_bf16`), the state update's decay on V_new (`decay_on_v`), int32 address
+tiles (`i32_offsets`), normalised keys stored once (`store_kn`), table-free chunk addressing in
+the sequential loop (`affine_state`), the state kernel's own warps / stages, and `fuse_output`:
+the output written by the state kernel (no per-chunk states or V_new in HBM, no third kernel).
+`experiments/profile_gdn_chunk.py` times the kernels one by one for any of them.
+
 Supports: any B, T, Nk | Nv, H and Hv (padded to powers of two >= 16 and masked), initial and
 final states `[Ns, Nv, H, Hv]` float32, varlen with empty sequences, gradients (the XLA
 reference's VJP). Not supported: chunk sizes other than 64.
@@ -66,8 +74,8 @@ class Config:
     num_warps: int = 8
     intra_warps: int = 4
     num_stages: int = 2
-    # Speed options (static; the defaults keep the measured kernels; none touches the float32
-    # path except `solve` and `decay_on_v`, which are rearrangements of the same float32 algebra):
+    # Speed options (static; the defaults keep the measured kernels; on the float32 path the
+    # bf16 ones do nothing and the others rearrange the same float32 algebra):
     # `solve`: "subst" (15 forward-substitution dots inside the 16-row blocks, then the 4-block
     # merge: 19 [C, C] dots), "subst_hoist" (the same, the dot's A operand loop-invariant: its
     # per-step row mask moved to the result, same values), "nested" (forward substitution in
@@ -377,7 +385,7 @@ def _state_kernel(
     count = tl.load(scount_ptr + seq)
     for c in range(0, count):
         ci = first + c
-        if T_ROW > 0:  # B rows of T_ROW tokens: the chunk from its index, no table loads
+        if T_ROW:  # B rows of T_ROW tokens: the chunk from its index, no table loads
             start = seq * T_ROW + c * BT
             n = tl.minimum(T_ROW - c * BT, BT)
         else:
