@@ -527,6 +527,45 @@ def test_profile_gdn_chunk_quick_runs_and_counts():
         assert total == pytest.approx(bench_gdn_prefill.gdn_flops(b, t, 2, 16, 32)), solve
 
 
+GPU_SPEED_OPTIONS = {
+    "solve-nested": dict(solve="nested"), "solve-stacked": dict(solve="stacked"),
+    "solve-bf16": dict(solve_bf16=True), "out-bf16": dict(out_bf16=True),
+    "kn-decayv-i32-affine": dict(store_kn=True, decay_on_v=True, i32_offsets=True,
+                                 affine_state=True),
+    "fused": dict(fuse_output=True),
+    "fused-all": dict(fuse_output=True, out_bf16=True, store_kn=True, decay_on_v=True,
+                      i32_offsets=True, affine_state=True, solve="stacked", state_warps=4),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", GPU_SPEED_OPTIONS.values(), ids=GPU_SPEED_OPTIONS.keys())
+@pytest.mark.parametrize("varlen", [False, True], ids=["B2-T4K", "varlen"])
+def test_chunked_speed_options_compiled_on_gpu(opts, varlen):
+    """`test_chunked_compiled_on_gpu_at_model_dims` for the speed options: the same inputs and
+    the same 2e-2 relative-norm bound against the float32 XLA reference (bf16 rounds at 2^-9:
+    the options move the error by at most one more rounding of the output's or the solve's
+    operands, 1.8e-2 worst in the interpreter whose casts truncate)."""
+    gen = rng()
+    cu = None
+    if varlen:
+        cu = jnp.asarray(np.asarray([0, 1, 1000, 1000, 3000, 4096], np.int32))
+        xs, h0 = _chunk_problem(gen, b=1, t=4096, nk=16, nv=32, h=128, hv=128,
+                                dtype=jnp.bfloat16, n_state=5)
+    else:
+        xs, h0 = _chunk_problem(gen, b=2, t=4096, nk=16, nv=32, h=128, hv=128,
+                                dtype=jnp.bfloat16)
+    kw = dict(initial_state=h0, use_qk_l2norm=True, cu_seqlens=cu)
+    config = chunk_kernel.Config(**opts)
+    o, final = jax.jit(lambda *a: chunk_kernel.gdn_chunked(*a, **kw, config=config))(*xs)
+    exp_o, exp_final = jax.jit(lambda *a: ref.gdn_chunked(*a, **kw))(*xs)
+    for name, a, e in (("o", o, exp_o), ("final", final, exp_final)):
+        a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+        assert np.isfinite(a).all(), name
+        err = np.linalg.norm(a - e) / np.linalg.norm(e)
+        assert err <= 2e-2, f"{name}: relative error {err:.3g}"
+
+
 def test_bench_gdn_prefill_smoke_runs_on_cpu(tmp_path):
     """`python -m experiments.bench_gdn_prefill --smoke` (tiny shapes, interpreter) writes its
     rows, with our outputs close to the XLA reference's."""
