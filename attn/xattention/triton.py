@@ -29,22 +29,25 @@ Visibility in reduced coordinates (as the reference): column `c` of row `m` coun
 get no mass; queries past `q_len` and keys past `kv_len` read as 0 (never loaded). `norm` is a
 run-time value folded into the score scale, `log2(e) / sqrt(H) / st / norm`.
 
-`Config.fp8` (off by default) runs the GEMM on the e4m3 tensor cores (Hopper: twice bf16's
-rate). `quantize_e4m3` (XLA, before the launch) rounds q and k to e4m3 with one power-of-two
-scale per (head, group of `st` consecutive tokens), so per (head, reduced row) for q and per (KV
-head, reduced column) for k, `amax / scale` in [224, 448); tokens past the lengths become 0.
-The e4m3 arrays keep the `[B, T, N, H]` / `[B, S, K, H]` layouts, so the kernel's gathers are
-unchanged and both dot operands are K-major (the features contiguous; `tl.trans(k)` is a view),
-which the fp8 wgmma needs for its shared-memory B operand. The dot is `tl.dot(q8, k8ᵀ)` with
-f32 accumulation (Triton's default on sm_90: the tensor cores' fast fp8 accumulation, no
-promotion); the two scales multiply the f32 scores before the softmax; everything after is the
-bf16 path's. Products of e4m3 values and power-of-two scales are exact in f32, so the result
-is the bf16 kernel's on the dequantised `q̂, k̂` up to summation order (what the CPU tests check,
-as Triton 3.6's interpreter widens fp8 dot operands to f16, exactly). Rounding error: an
-element moves by at most `2^-4` of itself plus `2^-10` of its scale (subnormals), so a score
-`Σ q_i k_i` by at most about `2^-3 Σ|q_i k_i|`; with independent rounding errors the typical
-move is ~`0.04 sqrt(Σ q_i² k_i²)`. The quantisation is XLA work before the launch (an amax
-reduction and a scaled cast: q and k read about twice, written once in e4m3).
+`Config.fp8` (off by default) runs the GEMM on the e4m3 tensor cores (Hopper: twice bf16's rate).
+`quantize_e4m3` (XLA, before the launch) rounds q and k to e4m3 with one power-of-two scale per
+(head, group of `st` consecutive tokens), so per (head, reduced row) for q and per (KV head,
+reduced column) for k, `amax / scale` in [224, 448); tokens past the lengths become 0. The e4m3
+arrays keep the `[B, T, N, H]` / `[B, S, K, H]` layouts, so the kernel's gathers are unchanged and
+both dot operands are K-major (the features contiguous; `tl.trans(k)` is a view), which the fp8
+wgmma needs for its shared-memory B operand (compiled for sm_90a: q and k tiles cp.async'd into
+128-byte-swizzled shared memory, `wgmma m64n128k32 e4m3.e4m3` with B a transposed view, no copy;
+114 registers, no spills, 96 KiB at 128 x 128 x 128, 3 stages, so two programs per SM as bf16;
+`test_score_kernel_compiles_for_sm90`). The dot is `tl.dot(q8, k8ᵀ)` with f32 accumulation
+(Triton's default on sm_90: the tensor cores' fast fp8 accumulation, no promotion); the two scales
+multiply the f32 scores before the softmax; everything after is the bf16 path's. Products of e4m3
+values and power-of-two scales are exact in f32, so the result is the bf16 kernel's on the
+dequantised `q̂, k̂` up to summation order (what the CPU tests check, as Triton 3.6's interpreter
+widens fp8 dot operands to f16, exactly). Rounding error: an element moves by at most `2^-4` of
+itself plus `2^-10` of its scale (subnormals), so a score `Σ q_i k_i` by at most about `2^-3 Σ|q_i
+k_i|`; with independent rounding errors the typical move is ~`0.04 sqrt(Σ q_i² k_i²)`. The
+quantisation is XLA work before the launch (an amax reduction and a scaled cast: q and k read about
+twice, written once in e4m3).
 
 Supports: any group size, `H` up to 256 (padded to a power of two and masked), bf16 / f16 / f32
 (f32 with IEEE dots, for tests), power-of-two block sizes and strides (as the API requires).

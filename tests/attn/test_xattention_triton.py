@@ -7,6 +7,11 @@ sweep tries) runs in at least one interpreted case."""
 import dataclasses
 import itertools
 import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -360,6 +365,60 @@ def test_fp8_selects_planted_blocks():
     np.testing.assert_array_equal(np.asarray(mask8), expect)
     _, public = xattn_estimate(q, k, implementation="triton", fp8=True, **opts)  # Config(fp8)
     np.testing.assert_array_equal(np.asarray(public), expect)
+
+
+_AOT = textwrap.dedent("""
+    import os, re, subprocess, sys, tempfile
+    os.environ["TRITON_INTERPRET"] = "0"
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from attn.xattention import triton as kt
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    t = s = 32768
+    for name, cfg in (("bf16", kt.Config()), ("fp8", kt.Config(fp8=True, block_k=128)),
+                      ("fp8-s4", kt.Config(fp8=True, num_stages=4))):
+        consts = dict(T=t, S=s, K=8, G=4, H=128, ST=16, R=8, RT=t // 16, SB=s // 128,
+                      BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, BLOCK_K=cfg.block_k,
+                      BLOCK_H=128, PRECISION="tf32", FP8=cfg.fp8)
+        names = kt._tile_lse_kernel.arg_names
+        types = dict(q_ptr="*fp8e4nv" if cfg.fp8 else "*bf16", lse_ptr="*fp32",
+                     scale_ptr="*fp32", q_scale_ptr="*fp32", k_scale_ptr="*fp32")
+        types["k_ptr"] = types["q_ptr"]
+        sig = {n: "constexpr" if n in consts else types.get(n, "*i32") for n in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
+        c = triton.compile(ASTSource(fn=kt._tile_lse_kernel, signature=sig, constexprs=consts,
+                                     attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(c.asm["ptx"])
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                           capture_output=True, text=True, check=True)
+        mma = sorted(set(re.findall(r"wgmma\\.mma_async\\.[\\w.]+", c.asm["ptx"])))
+        print("AOT", name, ",".join(mma), c.metadata.shared, r.stderr.replace("\\n", " "))
+""")
+
+
+@pytest.mark.slow
+def test_score_kernel_compiles_for_sm90():
+    """Compile the score kernel for Hopper on any machine (no GPU): the fp8 configuration issues
+    e4m3 x e4m3 wgmma (both operands K-major from shared memory: no transpose needed), spills
+    nothing, and fits two programs per SM like bf16 (<= 128 registers x 256 threads, <= 113 KiB
+    shared memory). At the time of writing ptxas gave 116 (bf16) and 114 (fp8) registers."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True,
+                         check=True, cwd=root).stdout
+    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("AOT ")}
+    assert set(lines) == {"bf16", "fp8", "fp8-s4"}, out
+    for name, line in lines.items():
+        _, _, mma, shared = line.split()[:4]
+        dtype = "e4m3.e4m3" if name.startswith("fp8") else "bf16.bf16"
+        assert mma and all(m.endswith(f".f32.{dtype}") for m in mma.split(",")), line
+        assert "0 bytes spill stores" in line, line
+        assert int(re.search(r"Used (\d+) registers", line).group(1)) <= 128, line
+        assert int(shared) <= 113 * 1024, line
 
 
 @pytest.mark.gpu
