@@ -30,24 +30,24 @@ get no mass; queries past `q_len` and keys past `kv_len` read as 0 (never loaded
 run-time value folded into the score scale, `log2(e) / sqrt(H) / st / norm`.
 
 `Config.fp8` (off by default) runs the GEMM on the e4m3 tensor cores (Hopper: twice bf16's rate).
-`quantize_e4m3` (XLA, before the launch) rounds q and k to e4m3 with one power-of-two scale per
-(head, group of `st` consecutive tokens), so per (head, reduced row) for q and per (KV head,
-reduced column) for k, `amax / scale` in [224, 448); tokens past the lengths become 0. The e4m3
-arrays keep the `[B, T, N, H]` / `[B, S, K, H]` layouts, so the kernel's gathers are unchanged and
-both dot operands are K-major (the features contiguous; `tl.trans(k)` is a view), which the fp8
-wgmma needs for its shared-memory B operand (compiled for sm_90a: q and k tiles cp.async'd into
-128-byte-swizzled shared memory, `wgmma m64n128k32 e4m3.e4m3` with B a transposed view, no copy;
-114 registers, no spills, 96 KiB at 128 x 128 x 128, 3 stages, so two programs per SM as bf16;
-`test_score_kernel_compiles_for_sm90`). The dot is `tl.dot(q8, k8ᵀ)` with f32 accumulation
-(Triton's default on sm_90: the tensor cores' fast fp8 accumulation, no promotion); the two scales
-multiply the f32 scores before the softmax; everything after is the bf16 path's. Products of e4m3
-values and power-of-two scales are exact in f32, so the result is the bf16 kernel's on the
-dequantised `q̂, k̂` up to summation order (what the CPU tests check, as Triton 3.6's interpreter
-widens fp8 dot operands to f16, exactly). Rounding error: an element moves by at most `2^-4` of
-itself plus `2^-10` of its scale (subnormals), so a score `Σ q_i k_i` by at most about `2^-3 Σ|q_i
-k_i|`; with independent rounding errors the typical move is ~`0.04 sqrt(Σ q_i² k_i²)`. The
-quantisation is XLA work before the launch (an amax reduction and a scaled cast: q and k read about
-twice, written once in e4m3).
+`quantize_e4m3` (XLA; the kernel path runs it as one Triton pass before the score kernel,
+`quantize_e4m3_kernel`, bit-equal: q and k read once, written once in e4m3) rounds q and k to e4m3
+with one power-of-two scale per (head, group of `st` consecutive tokens), so per (head, reduced
+row) for q and per (KV head, reduced column) for k, `amax / scale` in [224, 448); tokens past the
+lengths become 0. The e4m3 arrays keep the `[B, T, N, H]` / `[B, S, K, H]` layouts, so the kernel's
+gathers are unchanged and both dot operands are K-major (the features contiguous; `tl.trans(k)` is
+a view), which the fp8 wgmma needs for its shared-memory B operand (compiled for sm_90a: q and k
+tiles cp.async'd into 128-byte-swizzled shared memory, `wgmma m64n128k32 e4m3.e4m3` with B a
+transposed view, no copy; 114 registers, no spills, 96 KiB at 128 x 128 x 128, 3 stages, so two
+programs per SM as bf16; `test_score_kernel_compiles_for_sm90`). The dot is `tl.dot(q8, k8ᵀ)` with
+f32 accumulation (Triton's default on sm_90: the tensor cores' fast fp8 accumulation, no
+promotion); the two scales multiply the f32 scores before the softmax; everything after is the bf16
+path's. Products of e4m3 values and power-of-two scales are exact in f32, so the result is the bf16
+kernel's on the dequantised `q̂, k̂` up to summation order (what the CPU tests check, as Triton
+3.6's interpreter widens fp8 dot operands to f16, exactly). Rounding error: an element moves by at
+most `2^-4` of itself plus `2^-10` of its scale (subnormals), so a score `Σ q_i k_i` by at most
+about `2^-3 Σ|q_i k_i|`; with independent rounding errors the typical move is ~`0.04 sqrt(Σ q_i²
+k_i²)`.
 
 Supports: any group size, `H` up to 256 (padded to a power of two and masked), bf16 / f16 / f32
 (f32 with IEEE dots, for tests), power-of-two block sizes and strides (as the API requires).
@@ -281,6 +281,64 @@ def check_supported(q) -> None:
 E4M3_MAX = 448.0
 
 
+@triton.jit
+def _quantize_kernel(
+    x_ptr,  # [B, L, NH, H] bf16 / f16 / f32
+    len_ptr,  # [B] int32 valid tokens
+    x8_ptr,  # [B, L, NH, H] e4m3
+    scale_ptr,  # [B, NH, MP] f32 (groups past the tokens: 1)
+    L: tl.constexpr,
+    NH: tl.constexpr,
+    H: tl.constexpr,
+    ST: tl.constexpr,
+    MP: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # heads per program
+    BLOCK_H: tl.constexpr,
+):
+    """One group of ST tokens x BLOCK_N heads per program: one read, one e4m3 write."""
+    g = tl.program_id(0)
+    b = tl.program_id(1)
+    heads = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tok = g * ST + tl.arange(0, ST)
+    h = tl.arange(0, BLOCK_H)
+    length = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), L)
+    offs = ((b.to(tl.int64) * L + tok[:, None, None]) * NH + heads[None, :, None]) * H \
+        + h[None, None, :]  # [ST, BLOCK_N, BLOCK_H]
+    ok = ((tok < length)[:, None, None] & (heads < NH)[None, :, None]
+          & (h < H)[None, None, :])
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), 2), 0)  # [BLOCK_N]
+    # amax / 448 = m · 2^e, m in [1/2, 1), read off the f32 exponent field E (e = E - 126; a
+    # zero group takes e = 0, a ratio below 2^-126 is raised to it): scale 2^e, 1 / scale 2^-e.
+    r = tl.maximum(tl.where(amax > 0.0, amax, 224.0) / 448.0, 1.1754943508222875e-38)
+    field = (r.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    scale = ((field + 1) << 23).to(tl.float32, bitcast=True)
+    inv = ((253 - field) << 23).to(tl.float32, bitcast=True)
+    x8 = tl.minimum(tl.maximum(x * inv[None, :, None], -448.0), 448.0).to(tl.float8e4nv)
+    tl.store(x8_ptr + offs, x8, mask=(tok < L)[:, None, None] & (heads < NH)[None, :, None]
+             & (h < H)[None, None, :])
+    tl.store(scale_ptr + (b * NH + heads) * MP + g, scale, mask=heads < NH)
+
+
+def quantize_e4m3_kernel(x, lengths, stride, groups):
+    """`quantize_e4m3` as one Triton pass (x read once, e4m3 written once), bit-equal to it
+    (except groups whose `amax / 448` is below 2^-126); the scale array is `[B, heads,
+    groups]` with `groups >= ceil(L / stride)` (the extra groups get scale 1)."""
+    b, l, heads, h = x.shape
+    block_h = triton.next_power_of_2(h)
+    block_n = max(1, min(triton.next_power_of_2(heads), 4096 // (stride * block_h)))
+    return triton_call(
+        x, lengths.astype(jnp.int32),
+        kernel=_quantize_kernel,
+        out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),
+                   jax.ShapeDtypeStruct((b, heads, groups), jnp.float32)),
+        grid=(groups, b, _cdiv(heads, block_n)),
+        num_warps=4,
+        num_stages=1,
+        L=l, NH=heads, H=h, ST=stride, MP=groups, BLOCK_N=block_n, BLOCK_H=block_h,
+    )
+
+
 def quantize_e4m3(x, lengths, stride):
     """`x [B, L, heads, H]` rounded to e4m3 with one power-of-two scale per (request, head,
     `stride` consecutive tokens): returns `(x8 [B, L, heads, H] float8_e4m3fn, scale [B, heads,
@@ -336,10 +394,10 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
     if config.fp8:
         if stride * block_h < 32:  # an fp8 MMA reduces over 32 elements
             raise NotImplementedError(f"fp8 needs stride * H >= 32, got {stride} * {h}")
-        q, q_scale = quantize_e4m3(q, q_len, stride)
-        k, k_scale = quantize_e4m3(k, kv_len, stride)
-        k_scale = jnp.pad(k_scale, ((0, 0), (0, 0), (0, -k_scale.shape[-1] % block_c)),
-                          constant_values=1.0)  # whole column tiles (the kernel's MCP)
+        q, q_scale = quantize_e4m3_kernel(q, q_len, stride, _cdiv(t, stride))
+        # k's scales padded with 1 to whole column tiles (the score kernel's MCP).
+        k, k_scale = quantize_e4m3_kernel(k, kv_len, stride,
+                                          _cdiv(_cdiv(s, stride), block_c) * block_c)
         precision = "tf32"  # unused by fp8 dots
     else:
         q_scale = k_scale = jnp.zeros((1,), jnp.float32)

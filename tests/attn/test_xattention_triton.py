@@ -247,7 +247,8 @@ def test_interpreter_fp8_dot_is_exact():
 def test_quantize_e4m3():
     """Power-of-two scale per (request, head, `stride` tokens) with `amax / scale` in [224, 448);
     `x8` is `x / scale` rounded to nearest even (ml_dtypes), so `|x8·scale - x| <= 2^-4 |x| +
-    2^-10 scale`; tokens past the length are 0 even when NaN; L off the stride grid."""
+    2^-10 scale`; tokens past the length are 0 even when NaN; L off the stride grid, H 40
+    (padded to 64 in the Triton pass), 3 heads (the pass takes 4 per program)."""
     gen = rng()
     x = randn(gen, (2, 22, 3, 40), scale=float(np.exp(gen.uniform(-8, 8))))
     x = x.at[:, :, 1].multiply(1e-3)  # a head far from the others' range
@@ -269,6 +270,11 @@ def test_quantize_e4m3():
     back = np.asarray(kernel.dequantize_e4m3(x8, scale, 4), np.float64)
     assert np.all(np.abs(back - clean) <= E4M3_U * np.abs(clean) + 2.0**-10 * per_token)
     assert not np.any(np.asarray(x8, np.float32)[1, 13:])
+    # The Triton pass the kernel path uses: bit-equal, 8 groups (2 past the tokens: scale 1).
+    got8, got_scale = kernel.quantize_e4m3_kernel(x, lengths, 4, 8)
+    np.testing.assert_array_equal(np.asarray(got8).view(np.uint8), np.asarray(x8).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(got_scale)[..., :6], s)
+    np.testing.assert_array_equal(np.asarray(got_scale)[..., 6:], 1.0)
 
 
 FP8_CASES = {  # name: (B, T, S, N, K, H, block, stride, q_lengths, kv_lengths, norm, dtype, cfg)
