@@ -403,6 +403,20 @@ _AOT = textwrap.dedent("""
                            capture_output=True, text=True, check=True)
         mma = sorted(set(re.findall(r"wgmma\\.mma_async\\.[\\w.]+", c.asm["ptx"])))
         print("AOT", name, ",".join(mma), c.metadata.shared, r.stderr.replace("\\n", " "))
+    consts = dict(L=t, NH=32, H=128, ST=16, MP=t // 16, BLOCK_N=2, BLOCK_H=128)
+    names = kt._quantize_kernel.arg_names
+    types = dict(x_ptr="*bf16", len_ptr="*i32", x8_ptr="*fp8e4nv", scale_ptr="*fp32")
+    sig = {n: "constexpr" if n in consts else types[n] for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
+    c = triton.compile(ASTSource(fn=kt._quantize_kernel, signature=sig, constexprs=consts,
+                                 attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, num_stages=1))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(c.asm["ptx"])
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                       capture_output=True, text=True, check=True)
+    cvt = sorted(set(re.findall(r"cvt\\.rn\\.satfinite\\.e4m3x2\\.f32", c.asm["ptx"])))
+    print("AOT quantize", ",".join(cvt) or "-", 0, r.stderr.replace("\\n", " "))
 """)
 
 
@@ -411,13 +425,16 @@ def test_score_kernel_compiles_for_sm90():
     """Compile the score kernel for Hopper on any machine (no GPU): the fp8 configuration issues
     e4m3 x e4m3 wgmma (both operands K-major from shared memory: no transpose needed), spills
     nothing, and fits two programs per SM like bf16 (<= 128 registers x 256 threads, <= 113 KiB
-    shared memory). At the time of writing ptxas gave 116 (bf16) and 114 (fp8) registers."""
+    shared memory). At the time of writing ptxas gave 116 (bf16) and 114 (fp8) registers. The
+    quantisation pass rounds with `cvt.rn.satfinite` (what the interpreter fix emulates)."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True,
                          check=True, cwd=root).stdout
     lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("AOT ")}
-    assert set(lines) == {"bf16", "fp8", "fp8-s4"}, out
+    assert set(lines) == {"bf16", "fp8", "fp8-s4", "quantize"}, out
+    quantize = lines.pop("quantize")  # the e4m3 pass: the GPU's rounding, no spills
+    assert "cvt.rn.satfinite.e4m3x2.f32" in quantize and "0 bytes spill stores" in quantize
     for name, line in lines.items():
         _, _, mma, shared = line.split()[:4]
         dtype = "e4m3.e4m3" if name.startswith("fp8") else "bf16.bf16"
