@@ -335,11 +335,12 @@ ROWS = {"flash_prefill": flash_rows, "window_prefill": window_rows,
 
 
 def _config(text: str) -> dense_triton.Config:
-    """`bm-bn-warps-stages`, `-ws` appended for the warp-specialised key loop."""
-    ws = text.endswith("-ws")
-    bm, bn, warps, stages = (int(x) for x in text.removesuffix("-ws").split("-"))
-    return dense_triton.Config(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-                               warp_specialize=ws)
+    """`bm-bn-warps-stages`, then `-ws` for a warp-specialised unmasked key loop, `-wsall` for
+    every key loop warp-specialised, nothing for none."""
+    bm, bn, warps, stages, *ws = text.split("-")
+    return dense_triton.Config(block_m=int(bm), block_n=int(bn), num_warps=int(warps),
+                               num_stages=int(stages), warp_specialize=bool(ws),
+                               warp_specialize_masked=ws == ["wsall"])
 
 
 def sweep_backward(args, ctx) -> None:
@@ -378,7 +379,7 @@ def sweep(args, ctx) -> None:
           f" {'window ms':>10} {'TFLOP/s':>8}", flush=True)
     for cfg in args.configs:
         name = f"{cfg.block_m}-{cfg.block_n}-{cfg.num_warps}-{cfg.num_stages}"
-        name += "-ws" if cfg.warp_specialize else ""
+        name += "-wsall" if cfg.warp_specialize_masked else "-ws" if cfg.warp_specialize else ""
         try:
             fn = _ours(cfg)
             out = fn(q, k, v)

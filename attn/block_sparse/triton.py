@@ -74,6 +74,9 @@ class Config:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    # The unmasked (whole-block) loop warp-specialised (Triton's Hopper pass; >= 8 warps), as
+    # the dense kernel's `Config.warp_specialize`.
+    warp_specialize: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_m", "block_n"))
@@ -197,6 +200,7 @@ def _block_sparse_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     # Heads fastest (GQA siblings share K/V in L2); the last query tiles (longest lists) first.
     N: tl.constexpr = K * G
@@ -236,7 +240,7 @@ def _block_sparse_kernel(
     # halves the K / V prefetch distance (seen in the sm_90 TTGIR at 3 stages).
     SPB: tl.constexpr = BS // BLOCK_N
     j = tl.load(blocks)
-    for i in range(0, whole * SPB):  # blocks every query of the tile sees whole: no mask
+    for i in tl.range(0, whole * SPB, warp_specialize=WARP_SPECIALIZE):  # seen whole: no mask
         acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, SCALE_LOG2,
                               K, H, HV, SB, BS, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
     j = tl.load(blocks + tl.minimum(whole, SB - 1))
@@ -283,6 +287,7 @@ def _launch(q, k, v, blocks, count, whole, q_lengths, kv_lengths, *, scale, bloc
         BLOCK_N=block_n, BLOCK_H=max(16, triton.next_power_of_2(h)),
         BLOCK_HV=max(16, triton.next_power_of_2(hv)),
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+        WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8,
     )
 
 

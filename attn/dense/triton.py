@@ -58,8 +58,10 @@ class Config:
     bwd_num_warps: int = 8
     bwd_num_stages: int = 2
     # The unmasked key loop as `tl.range(..., warp_specialize=True)`: Triton's Hopper pass splits
-    # it into producer (loads) and consumer (dots, softmax) warp groups.
+    # it into producer (loads) and consumer (dots, softmax) warp groups. Applies with >= 8 warps
+    # only (Triton 3.6 does not compile it with 4). `warp_specialize_masked`: the masked loops too.
     warp_specialize: bool = True
+    warp_specialize_masked: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(
@@ -215,6 +217,7 @@ def _flash_fwd_kernel(
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
+    WS_MASKED: tl.constexpr = False,
 ):
     # Heads vary fastest (programs in flight share K/V in L2); the last query tiles, which see
     # the most keys under a causal mask, start first so the short ones fill the tail.
@@ -254,16 +257,16 @@ def _flash_fwd_kernel(
     # Sink tiles, the window's lower edge, the tiles every row sees whole, the causal diagonal.
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, 0, sink_end, kv_len, win, sinks,
                            SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
-                           PRECISION)
+                           PRECISION, WS_MASKED)
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, main_lo, full_lo, kv_len, win,
                            sinks, SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
-                           PRECISION)
+                           PRECISION, WS_MASKED)
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_lo, full_hi, kv_len, win,
                            sinks, SCALE_LOG2, K, H, HV, CAUSAL, False, BLOCK_N, BLOCK_H, BLOCK_HV,
                            PRECISION, WARP_SPECIALIZE)
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_hi, end, kv_len, win, sinks,
                            SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
-                           PRECISION)
+                           PRECISION, WS_MASKED)
 
     empty = l == 0.0
     safe_l = tl.where(empty, 1.0, l)
@@ -582,7 +585,8 @@ def _forward(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, con
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         SCALE_LOG2=scale * LOG2E, CAUSAL=causal, NUM_M=num_m, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, WARP_SPECIALIZE=config.warp_specialize, **dims,
+        BLOCK_N=config.block_n, WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8,
+        WS_MASKED=config.warp_specialize_masked and config.num_warps >= 8, **dims,
     )
 
 

@@ -58,6 +58,9 @@ class Config:
     # Where a key tile lies in one page (P % block_n == 0), read its page id once and load K / V
     # as contiguous [block_n, H] blocks; False (or smaller pages) gathers token by token.
     page_tiles: bool = True
+    # The unmasked key loop warp-specialised (Triton's Hopper pass; >= 8 warps), as the dense
+    # kernel's `Config.warp_specialize`.
+    warp_specialize: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_m", "block_n"),
@@ -110,6 +113,7 @@ def _paged_visit(
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
     PAGE_TILES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
@@ -125,7 +129,7 @@ def _paged_visit(
         # hang on a loop-carried scalar, not on a load in flight, and the software pipeliner
         # issues them stages ahead. Entries below hi <= MAX_PAGES * P exist; -1: the null page.
         next_page = tl.load(table_row + lo // P, mask=lo < hi, other=-1)
-    for start in range(lo, hi, BLOCK_N):
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start = tl.multiple_of(start, BLOCK_N)
         cols = start + offs_n  # [BLOCK_N] key positions
         in_kv = cols < kv_len
@@ -222,6 +226,7 @@ def _paged_prefill_kernel(
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
     PAGE_TILES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     # Heads vary fastest; the last query tiles (most keys under the causal mask) start first.
     pid = tl.program_id(0)
@@ -264,7 +269,7 @@ def _paged_prefill_kernel(
     acc, l, m = _paged_visit(acc, l, m, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh,
                              pos, full_lo, full_hi, kv_len, win, sinks, SCALE_LOG2, H, HV, P,
                              NUM_PAGES, SUB, FP8, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION,
-                             PAGE_TILES)
+                             PAGE_TILES, WARP_SPECIALIZE)
     acc, l, m = _paged_visit(acc, l, m, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh,
                              pos, full_hi, end, kv_len, win, sinks, SCALE_LOG2, H, HV, P,
                              NUM_PAGES, SUB, FP8, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION,
@@ -326,6 +331,7 @@ def _launch(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sin
         BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_HV=max(16, triton.next_power_of_2(hv)),
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         PAGE_TILES=config.uses_page_tiles(p),
+        WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8,
     )
 
 

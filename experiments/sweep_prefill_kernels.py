@@ -1,0 +1,151 @@
+"""Launch-config sweeps of the paged prefill, block-sparse prefill and XAttention estimate kernels
+(GPU), each against its anchor from the same process. Prints tables; writes nothing.
+
+    python -m experiments.sweep_prefill_kernels paged  [--configs 128-64-8-3,128-64-8-3-ws,...]
+    python -m experiments.sweep_prefill_kernels sparse [--configs ...]
+    python -m experiments.sweep_prefill_kernels xattn
+
+A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialised unmasked loop.
+- paged: a 2K chunk over 8K and 32K prefixes, N32/K8/H128 bf16, pages of 64; anchor: our dense
+  flash on a gathered copy (the `paged_prefill` row of `experiments.bench_prefill`).
+- sparse: N32/K8/H128 bf16, blocks of 128, S64K at density 0.1 and 1.0 and S128K at 0.1; anchor:
+  our dense flash (the goal: <= 1.15 x density x dense).
+- xattn: the estimate at S64K and S128K (stride 16), bf16 and `Config(fp8=True)` variants, and the
+  e4m3 quantiser alone.
+`--quick`: tiny shapes through the interpreter (for CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+import attn  # noqa: F401  (sets up Triton before its first import)
+from attn.block_sparse import reference as sparse_ref
+from attn.block_sparse import triton as sparse_triton
+from attn.dense import triton as dense_triton
+from attn.dense import triton_paged
+from attn.paged_decode.reference import gather_pages
+from attn.xattention import triton as xattn_triton
+from experiments import _bench
+from experiments.bench_sparse_prefill import _paged_problem, _sparse_mask
+
+N, KH, H = 32, 8, 128
+
+
+def _parse(text: str, cls):
+    ws = text.endswith("-ws")
+    bm, bn, warps, stages = (int(x) for x in text.removesuffix("-ws").split("-"))
+    return cls(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, warp_specialize=ws)
+
+
+def _time(fn, *args, quick):
+    return _bench.time_ms(fn, *args, **(dict(iters=1, trials=1, warmup=1) if quick
+                                        else dict(budget_s=1.0)))
+
+
+def _report(name, fn, args, ref, anchor_ms, quick, note=""):
+    try:
+        out = fn(*args)
+        ms = _time(fn, *args, quick=quick)
+    except Exception as e:  # e.g. a config that does not compile: report and go on
+        print(f"  {name:18} failed: {str(e).splitlines()[0][:120]}", flush=True)
+        return
+    err = _bench.rel_err(out, ref) if ref is not None else float("nan")
+    print(f"  {name:18} {ms:9.3f} ms  {anchor_ms / ms:6.3f}x anchor  err {err:.1e} {note}",
+          flush=True)
+
+
+def paged(configs, quick):
+    chunk, prefixes, page = (32, (64,), 16) if quick else (2048, (8192, 32768), 64)
+    n, kh, h = (4, 2, 32) if quick else (N, KH, H)
+    flash = jax.jit(lambda q, k, v, o: dense_triton.attention(q, k, v, q_offset=o)[0])
+    for prefix in prefixes:
+        problem = _paged_problem(prefix, prefix=prefix, chunk=chunk, n=n, kh=kh, h=h, page=page)
+        q, kp, vp, table, off, _ = problem
+        k = gather_pages(kp, table)[:, :prefix + chunk]
+        v = gather_pages(vp, table)[:, :prefix + chunk]
+        ref = flash(q, k, v, off)
+        anchor = _time(flash, q, k, v, off, quick=quick)
+        print(f"prefix {prefix} chunk {chunk} P{page}: flash on a gathered copy {anchor:.3f} ms",
+              flush=True)
+        for text in configs:
+            cfg = _parse(text, triton_paged.Config)
+            fn = jax.jit(lambda *a, cfg=cfg: triton_paged.paged_prefill_attention(
+                *a, config=cfg)[0])
+            _report(text, fn, problem, ref, anchor, quick,
+                    f"page_tiles={cfg.uses_page_tiles(page)}")
+
+
+def sparse(configs, quick):
+    bs = 16 if quick else 128
+    cases = ((256, (0.3, 1.0)),) if quick else ((65536, (0.1, 1.0)), (131072, (0.1,)))
+    n, kh, h = (4, 2, 32) if quick else (N, KH, H)
+    for s, densities in cases:
+        q, k, v = _bench.qkv(s + 1, 1, s, n, kh, h)
+        modes = jnp.ones((1, n), jnp.int32)
+        dense = jax.jit(lambda q, k, v: dense_triton.attention(q, k, v)[0])
+        dense_ms = _time(dense, q, k, v, quick=quick)
+        print(f"S{s}: dense flash {dense_ms:.3f} ms", flush=True)
+        for d in densities:
+            mask = _sparse_mask(int(d * 1000) + s, n, s, bs, d)
+            eff = sparse_ref.effective_block_mask(modes, mask, num_q_tokens=s, num_kv_tokens=s,
+                                                  block_size=bs)
+            real = float(jnp.mean(eff[..., jnp.tril(jnp.ones(eff.shape[-2:], bool))]))
+            goal = 1.15 * real * dense_ms
+            print(f" density {real:.3f}: goal <= {goal:.3f} ms", flush=True)
+            ref = None
+            for text in configs:
+                cfg = _parse(text, sparse_triton.Config)
+                fn = jax.jit(lambda q, k, v, md, m, cfg=cfg: sparse_triton.block_sparse_attention(
+                    q, k, v, md, m, block_size=bs, config=cfg)[0])
+                if ref is None:
+                    ref = fn(q, k, v, modes, mask)
+                _report(text, fn, (q, k, v, modes, mask), ref, goal, quick, "(anchor: the goal)")
+        del q, k, v
+
+
+def xattn(quick):
+    seqs = (256,) if quick else (65536, 131072)
+    n, kh, h = (4, 2, 32) if quick else (N, KH, H)
+    variants = [("bf16", xattn_triton.Config()),
+                ("fp8 k128 s3", xattn_triton.Config(fp8=True, block_k=128)),
+                ("fp8 k64 s4", xattn_triton.Config(fp8=True, num_stages=4))]
+    for s in seqs:
+        q, k, _ = _bench.qkv(s + 7, 1, s, n, kh, h)
+        base = None
+        for name, cfg in variants:
+            fn = jax.jit(lambda q, k, cfg=cfg: xattn_triton.xattn_estimate(
+                q, k, block_size=128 if not quick else 16, stride=16 if not quick else 4,
+                threshold=0.9, config=cfg))
+            sums, mask = fn(q, k)
+            ms = _time(fn, q, k, quick=quick)
+            base = base or (ms, sums, mask)
+            agree = float(jnp.mean(mask == base[2]))
+            print(f"S{s} {name:12} {ms:8.3f} ms  {base[0] / ms:5.2f}x bf16  mask agreement "
+                  f"{agree:.4f}  block-sum rel err {_bench.rel_err(sums, base[1]):.1e}",
+                  flush=True)
+        del q, k
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kernel", choices=("paged", "sparse", "xattn"))
+    parser.add_argument("--configs", default=None)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None, help="ignored (the gpu-check convention)")
+    args = parser.parse_args(argv)
+    if args.kernel == "xattn":
+        return xattn(args.quick)
+    default = {"paged": "128-64-8-3,128-64-8-3-ws,128-128-8-3-ws,128-128-8-2",
+               "sparse": "128-64-8-3,128-64-8-3-ws,128-128-8-3,128-128-8-3-ws,128-64-8-4"}
+    configs = (args.configs or default[args.kernel]).split(",")
+    if args.quick:
+        configs = ["16-16-4-2"]
+    (paged if args.kernel == "paged" else sparse)(configs, args.quick)
+
+
+if __name__ == "__main__":
+    main()
