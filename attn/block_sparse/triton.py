@@ -71,7 +71,7 @@ class Config:
     block size, which they must then divide)."""
 
     block_m: int = 128
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 8
     num_stages: int = 3
     # The unmasked (whole-block) loop warp-specialised (Triton's Hopper pass; >= 8 warps), as
@@ -83,10 +83,11 @@ class Config:
 
 
 def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
-    """The dense forward's Hopper launch (128 queries x 64 keys, 8 warps, 3 stages; it used 2
-    stages before, which left less room to overlap loads with math); wide heads (> 128) take 32-key
-    steps and 2 stages, as dense does, so the K / V stages fit in shared memory. Not yet timed on
-    the GPU: `python -m experiments.bench_sparse_prefill` decides."""
+    """128 queries x 128 keys, 8 warps, 3 stages (224 KiB of shared memory at H = 128). H100,
+    N32/K8/H128 bf16 (`experiments.sweep_prefill_kernels sparse`, NOTES.md session 4): S64K at
+    density 0.1 8.81 ms (128 x 64 tiles: 9.14; 4 stages 8.91; warp specialisation +-0.5%),
+    density 1.0 71.6 ms = 1.11x dense flash's 64.6 ms. Wide heads (> 128) take 32-key steps and
+    2 stages, as dense does, so the K / V stages fit in shared memory."""
     if max(head_dim, value_head_dim or head_dim) > 128:
         return Config(block_m=128, block_n=32, num_stages=2)
     return Config()
