@@ -285,6 +285,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--init", action="store_true", help="with an initial state")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--out", default=None, help="ignored (the .ci/gpu-check convention)")
     p.add_argument("--ptxas", action="store_true",
                    help="no timing: ptxas registers / spills of Config() and each --config")
     args = p.parse_args(argv)
