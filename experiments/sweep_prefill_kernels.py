@@ -110,9 +110,12 @@ def sparse(configs, quick):
 def xattn(quick):
     seqs = (256,) if quick else (65536, 131072)
     n, kh, h = (4, 2, 32) if quick else (N, KH, H)
-    variants = [("bf16", xattn_triton.Config()),
-                ("fp8 k128 s3", xattn_triton.Config(fp8=True, block_k=128)),
-                ("fp8 k64 s4", xattn_triton.Config(fp8=True, num_stages=4))]
+    C = xattn_triton.Config
+    variants = [("bf16", C()), ("bf16 ws", C(warp_specialize=True)),
+                ("bf16 k128 s2", C(block_k=128, num_stages=2)),
+                ("bf16 k128 s2 ws", C(block_k=128, num_stages=2, warp_specialize=True)),
+                ("fp8 k128 s3", C(fp8=True, block_k=128)),
+                ("fp8 k128 s3 ws", C(fp8=True, block_k=128, warp_specialize=True))]
     for s in seqs:
         q, k, _ = _bench.qkv(s + 7, 1, s, n, kh, h)
         base = None

@@ -104,6 +104,8 @@ class Config:
     scratch_bytes: int = 1 << 30
     # q and k rounded to e4m3 (`quantize_e4m3`), the GEMM on the fp8 tensor cores.
     fp8: bool = False
+    # The K loop warp-specialised (Triton's Hopper pass; >= 8 warps). Off until timed.
+    warp_specialize: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_r", "block_c", "block_k"))
@@ -111,6 +113,31 @@ class Config:
             raise ValueError(f"scratch_bytes={self.scratch_bytes} must be positive")
         if self.fp8 and self.block_k < 32:  # an fp8 MMA reduces over 32 elements
             raise ValueError(f"block_k={self.block_k} must be >= 32 with fp8")
+
+
+@triton.jit
+def _reduced_gemm(q_ptrs, k_ptrs, q_tok, k_tok, xs, xh, row_ok, q_len, kv_len, N, K, H, ST,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
+                  WARP_SPECIALIZE: tl.constexpr):
+    """`[BLOCK_R, BLOCK_C]` f32 antidiagonal scores: the K loop over `BLOCK_K`-feature slices of
+    the `ST · BLOCK_H` reduced features."""
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for x0 in tl.range(0, ST * BLOCK_H, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+        i0 = x0 // BLOCK_H
+        if BLOCK_K < BLOCK_H:  # the hint keeps the slice's loads vectorised
+            h0 = tl.multiple_of(x0 % BLOCK_H, BLOCK_K)
+        else:
+            h0 = 0
+        q_mask = ((q_tok - i0)[:, None] - xs[None, :] < q_len) & row_ok[:, None]
+        k_mask = (k_tok + i0)[:, None] + xs[None, :] < kv_len
+        if BLOCK_H != H:
+            q_mask = q_mask & (h0 + xh < H)[None, :]
+            k_mask = k_mask & (h0 + xh < H)[None, :]
+        q = tl.load(q_ptrs + (h0 - i0 * (N * H)), mask=q_mask, other=0.0)  # [BLOCK_R, BLOCK_K]
+        k = tl.load(k_ptrs + (h0 + i0 * (K * H)), mask=k_mask, other=0.0)  # [BLOCK_C, BLOCK_K]
+        acc = tl.dot(q, tl.trans(k), acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -143,6 +170,7 @@ def _tile_lse_kernel(
     BLOCK_H: tl.constexpr,
     PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     N: tl.constexpr = K * G
     CB: tl.constexpr = BLOCK_C // R  # key blocks per tile
@@ -179,21 +207,8 @@ def _tile_lse_kernel(
                   + q_tok[:, None] * (N * H) + (xh - xs * (N * H))[None, :])  # [BLOCK_R, BLOCK_K]
         k_ptrs = (k_ptr + b.to(tl.int64) * (S * K * H) + kh * H
                   + k_tok[:, None] * (K * H) + (xh + xs * (K * H))[None, :])  # [BLOCK_C, BLOCK_K]
-        acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
-        for x0 in range(0, ST * BLOCK_H, BLOCK_K):
-            i0 = x0 // BLOCK_H
-            if BLOCK_K < BLOCK_H:  # the hint keeps the slice's loads vectorised
-                h0 = tl.multiple_of(x0 % BLOCK_H, BLOCK_K)
-            else:
-                h0 = 0
-            q_mask = ((q_tok - i0)[:, None] - xs[None, :] < q_len) & row_ok[:, None]
-            k_mask = (k_tok + i0)[:, None] + xs[None, :] < kv_len
-            if BLOCK_H != H:
-                q_mask = q_mask & (h0 + xh < H)[None, :]
-                k_mask = k_mask & (h0 + xh < H)[None, :]
-            q = tl.load(q_ptrs + (h0 - i0 * (N * H)), mask=q_mask, other=0.0)  # [BLOCK_R, BLOCK_K]
-            k = tl.load(k_ptrs + (h0 + i0 * (K * H)), mask=k_mask, other=0.0)  # [BLOCK_C, BLOCK_K]
-            acc = tl.dot(q, tl.trans(k), acc, input_precision=PRECISION)
+        acc = _reduced_gemm(q_ptrs, k_ptrs, q_tok, k_tok, xs, xh, row_ok, q_len, kv_len, N, K, H,
+                            ST, BLOCK_R, BLOCK_C, BLOCK_K, BLOCK_H, PRECISION, WARP_SPECIALIZE)
 
         vis = ((cols[None, :] <= m[:, None] + shift) & (cols < valid_cols)[None, :]
                & row_ok[:, None])
@@ -417,6 +432,7 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
             T=t, S=s, K=kh, G=n // kh, H=h, ST=stride, R=r, RT=tb * r, SB=sb,
             BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_K=block_k, BLOCK_H=block_h,
             PRECISION=precision, FP8=config.fp8,
+            WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8,
         )
         parts.append(triton_call(
             lse, *geometry, first,
