@@ -62,11 +62,14 @@ class Config:
     """Launch configuration: value features per program of the state and output kernels, warps
     of those two and of the intra-chunk kernel, software pipeline stages.
 
-    One H100 sweep (benchmarks/NOTES.md, session 3; Nk16 Nv32 H = Hv = 128, bf16, whole op):
-    4 intra-chunk warps 4.52 ms at B1 T32K and 4.61 ms at B8 T4K against 5.27 / 5.44 ms with 8
-    (despite ptxas reporting spills with 4); the other fields are within ~10% of the best single
-    change (state tile 16 with 4 warps 4.61 ms at B1; 64 4.81 ms at B8) and stay as ptxas chose
-    them: with 8 warps the state kernel spills 16 B, the output kernel nothing.
+    H100 sweeps (benchmarks/NOTES.md; Nk16 Nv32 H = Hv = 128, bf16, whole op). Session 3: 4
+    intra-chunk warps 4.52 ms at B1 T32K and 4.61 ms at B8 T4K against 5.27 / 5.44 ms with 8; the
+    tiles are within ~10% of the best single change. Session 4 (`experiments.profile_gdn_chunk`,
+    per kernel): the speed options below, all on except `fuse_output`, take B1 T32K from 4.49 to
+    3.21 ms and B8 T4K from 4.61 to 3.27 ms (intra 1.25 -> 0.81, state 1.40 -> 1.28, output
+    2.04 -> 1.22 ms); output within 4e-3 (relative) of the former defaults'. `fuse_output` with
+    the state / output options: 3.08 / 3.21 ms, but its state kernel (the output dots inside the
+    sequential loop) takes 1.76 ms.
     """
 
     block_hv_state: int = 32
@@ -74,29 +77,29 @@ class Config:
     num_warps: int = 8
     intra_warps: int = 4
     num_stages: int = 2
-    # Speed options (static; the defaults keep the measured kernels; on the float32 path the
-    # bf16 ones do nothing and the others rearrange the same float32 algebra):
+    # Speed options (static; on the float32 path the bf16 ones do nothing and the others
+    # rearrange the same float32 algebra):
     # `solve`: "subst" (15 forward-substitution dots inside the 16-row blocks, then the 4-block
     # merge: 19 [C, C] dots), "subst_hoist" (the same, the dot's A operand loop-invariant: its
     # per-step row mask moved to the result, same values), "nested" (forward substitution in
     # 4-row blocks, merged to 16 and then to 64 rows: 3 + 4 + 4 = 11 dots), "stacked" (as
     # "subst_hoist" with the 16-row blocks' inverse kept as [C, 16]: 15 [C, C] x [C, 16] dots,
     # then the merge's 4).
-    solve: str = "subst"
-    solve_bf16: bool = False  # the solve's dots with bf16 operands (float32 accumulation)
-    out_bf16: bool = False  # output kernel dots with bf16 operands (fla's), exp(G) after Q S
-    decay_on_v: bool = False  # state update scales V_new's rows [C, BLOCK_HV], not K [C, H]
+    solve: str = "stacked"
+    solve_bf16: bool = True  # the solve's dots with bf16 operands (float32 accumulation)
+    out_bf16: bool = True  # output kernel dots with bf16 operands (fla's), exp(G) after Q S
+    decay_on_v: bool = True  # state update scales V_new's rows [C, BLOCK_HV], not K [C, H]
     # int32 per-element offsets after an int64 per-chunk base (fewer registers and 64-bit
     # multiplies in the address tiles; the same addresses).
-    i32_offsets: bool = False
+    i32_offsets: bool = True
     # With l2-norm: the intra kernel also writes the normalised keys [B·T, Nk, H] (v's dtype;
     # +2 bytes per key element written) and the state and output kernels read them instead of
     # normalising k again; with `decay_on_v` (state) / `out_bf16` (output) and bf16 inputs they
     # go into the dots as loaded.
-    store_kn: bool = False
+    store_kn: bool = True
     # Without cu_seqlens the state kernel computes each chunk's first token and length from its
     # index (no two dependent table loads per step of its sequential loop).
-    affine_state: bool = False
+    affine_state: bool = True
     # The state kernel's launch on its own (0: `num_warps` / `num_stages`, as the output kernel).
     state_warps: int = 0
     state_stages: int = 0

@@ -10,6 +10,7 @@ varlen with empty and one-token sequences, against the reference and a float64 r
 outputs start as NaN in the interpreter, so an unwritten element fails.
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -363,8 +364,14 @@ def test_chunked_compiled_on_gpu_at_model_dims(varlen):
         assert err <= 2e-2, f"{name}: relative error {err:.3g}"
 
 
-# The speed options of `triton_chunk.Config` (defaults off): each alone and all together.
+# The speed options of `triton_chunk.Config`, each alone on top of PLAIN (all off: the
+# session-3 kernels) and together; `Config()` turns on all but fuse_output.
+PLAIN = chunk_kernel.Config(solve="subst", solve_bf16=False, out_bf16=False, decay_on_v=False,
+                            i32_offsets=False, store_kn=False, affine_state=False)
+DEFAULT_OPTIONS = dict(solve="stacked", solve_bf16=True, out_bf16=True, decay_on_v=True,
+                       i32_offsets=True, store_kn=True, affine_state=True)
 SPEED_OPTIONS = [
+    DEFAULT_OPTIONS,
     dict(solve="subst_hoist"), dict(solve="nested"), dict(solve="stacked"), dict(solve_bf16=True),
     dict(out_bf16=True), dict(decay_on_v=True), dict(i32_offsets=True), dict(store_kn=True),
     dict(store_kn=True, decay_on_v=True, out_bf16=True),  # normalised keys straight into dots
@@ -388,12 +395,12 @@ def _rel_norm(a, e) -> float:
 @pytest.mark.parametrize("opts", SPEED_OPTIONS, ids=SPEED_IDS)
 def test_chunked_speed_options_float32_match_float64(opts):
     """float32 q/k/v: the bf16 options do not apply (3-pass TF32 stays), the others rearrange the
-    same float32 algebra: within 1e-5 of the float64 recurrence, as `Config()` is; B2 with
+    same float32 algebra: within 1e-5 of the float64 recurrence, as PLAIN is; B2 with
     initial states, T = 130 (two full chunks and a 2-token tail)."""
     gen = rng()
     xs, h0 = _chunk_problem(gen, b=2, t=130, nk=1, nv=2, h=16, hv=32)
     o, final = chunk_kernel.gdn_chunked(*xs, initial_state=h0, use_qk_l2norm=True,
-                                        config=chunk_kernel.Config(**opts))
+                                        config=dataclasses.replace(PLAIN, **opts))
     o64, final64 = _recurrent64(*xs, h0)
     assert_close(o, o64, atol=1e-5, rtol=1e-5)
     assert_close(final, final64, atol=1e-5, rtol=1e-5)
@@ -406,12 +413,12 @@ def test_chunked_speed_options_bf16_varlen_with_states(opts):
     values, by relative-norm error.
 
     Tolerance 3e-2: bf16 keeps 8 significant bits and the interpreter's float32 -> bf16 casts
-    truncate (unit error 2^-8 = 3.9e-3, twice a GPU's rounding). `Config()` already rounds the
+    truncate (unit error 2^-8 = 3.9e-3, twice a GPU's rounding). PLAIN already rounds the
     intermediates (W, U, V_new, the per-chunk states) and the `K Kᵀ`, W / U, `W S` and `Kᵀ V_new`
     operands to bf16: ~1e-2 here. The options add one more truncation to the solve's or the
     output's operands; out_bf16 measured 1.8e-2 (the docstring's "doubled"), so 3e-2 leaves ~1.6x
     headroom, about 8 truncation units; a wrong chunk, head, boundary or decay gives O(1). The
-    option must also stay within 2.5x `Config()`'s error on the same data (+ 2e-3 for the
+    option must also stay within 2.5x PLAIN's error on the same data (+ 2e-3 for the
     one-token sequence's noise)."""
     gen = rng()
     lens = [1, 70, 0, 64]
@@ -420,7 +427,7 @@ def test_chunked_speed_options_bf16_varlen_with_states(opts):
                             dtype=jnp.bfloat16, n_state=len(lens))
     run = lambda config: chunk_kernel.gdn_chunked(
         *xs, initial_state=h0, use_qk_l2norm=True, cu_seqlens=jnp.asarray(cu), config=config)
-    (o, final), (o_base, final_base) = run(chunk_kernel.Config(**opts)), run(None)
+    (o, final), (o_base, final_base) = run(dataclasses.replace(PLAIN, **opts)), run(PLAIN)
     assert o.dtype == jnp.bfloat16 and final.dtype == jnp.float32
     for i, (lo, hi) in enumerate(itertools.pairwise(cu)):
         o64, final64 = _recurrent64(*(x[:, lo:hi] for x in xs), h0[i:i + 1])
@@ -433,7 +440,7 @@ def test_chunked_speed_options_bf16_varlen_with_states(opts):
             err, base_err = _rel_norm(got, exp), _rel_norm(base, exp)
             assert err <= 3e-2, f"sequence {i} {name}: relative error {err:.3g}"
             assert err <= 2.5 * base_err + 2e-3, (
-                f"sequence {i} {name}: {err:.3g} against Config()'s {base_err:.3g}")
+                f"sequence {i} {name}: {err:.3g} against PLAIN's {base_err:.3g}")
 
 
 def test_chunked_config_rejects_unknown_solve():
@@ -470,9 +477,9 @@ def test_profile_gdn_chunk_quick_runs_and_counts():
     from experiments import bench_gdn_prefill
     from experiments import profile_gdn_chunk as prof
 
-    rows = prof.main(["--quick", "--cases", "1x70", "--config", "solve=nested,out_bf16=1"])
+    rows = prof.main(["--quick", "--cases", "1x70", "--config", "solve=nested,out_bf16=0"])
     assert [r["kernel"] for r in rows] == ["intra", "state", "output", "sum", "whole"] * 2
-    assert {r["config"] for r in rows} == {"default", "solve=nested,out_bf16=True"}
+    assert {r["config"] for r in rows} == {"default", "solve=nested,out_bf16=False"}
     other = rows[-1]
     assert other["rel_err_o"] < 3e-2 and other["ref_err_o"] < 3e-2 and other["ms"] > 0
     with pytest.raises(ValueError, match="name=value"):
@@ -483,7 +490,7 @@ def test_profile_gdn_chunk_quick_runs_and_counts():
     b, t, heads = 2, 70, dict(nk=1, nv=2, h=16, hv=32)
     gen = rng()
     xs, h0 = _chunk_problem(gen, b=b, t=t, **heads, dtype=jnp.bfloat16)
-    config = chunk_kernel.Config(block_hv_state=32, block_hv_out=32, solve="nested",
+    config = dataclasses.replace(PLAIN, block_hv_state=32, block_hv_out=32, solve="nested",
                                  store_kn=True)
     intra, state, output, x = chunk_kernel.stages(*xs, h0, use_qk_l2norm=True, config=config)
     tables = (x["cstart"], x["clen"])
@@ -505,7 +512,7 @@ def test_profile_gdn_chunk_quick_runs_and_counts():
         assert counts[name]["GB_rr"] >= counts[name]["GB"]
     # Fused: q in / P out of the intra kernel; the state kernel reads q and P and writes o (no
     # per-chunk states or V_new); no output kernel.
-    fused = chunk_kernel.Config(fuse_output=True)
+    fused = dataclasses.replace(PLAIN, fuse_output=True)
     intra, state, output, x = chunk_kernel.stages(*xs, h0, use_qk_l2norm=True, config=fused)
     assert output is None
     gcum, w, u, kn, p = intra(x["q2"], *ins["intra"], *tables)
@@ -556,7 +563,7 @@ def test_chunked_speed_options_compiled_on_gpu(opts, varlen):
         xs, h0 = _chunk_problem(gen, b=2, t=4096, nk=16, nv=32, h=128, hv=128,
                                 dtype=jnp.bfloat16)
     kw = dict(initial_state=h0, use_qk_l2norm=True, cu_seqlens=cu)
-    config = chunk_kernel.Config(**opts)
+    config = dataclasses.replace(PLAIN, **opts)
     o, final = jax.jit(lambda *a: chunk_kernel.gdn_chunked(*a, **kw, config=config))(*xs)
     exp_o, exp_final = jax.jit(lambda *a: ref.gdn_chunked(*a, **kw))(*xs)
     for name, a, e in (("o", o, exp_o), ("final", final, exp_final)):
