@@ -555,7 +555,7 @@ def gdn_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2no
       initial_state: `[Ns, Nv, H, Hv]` (cast to float32), or None for zeros.
       use_qk_l2norm: l2-normalise q and k over H in the kernels (eps 1e-6).
       cu_seqlens: `[Ns + 1]` packed-sequence boundaries (`B == 1`), or None (`Ns = B`).
-      config: launch configuration; None for `Config()`.
+      config: launch configuration; None for `default_config`.
 
     Returns:
       `(o [B, T, Nv, Hv] in q.dtype, final_state [Ns, Nv, H, Hv] float32)`.
@@ -583,6 +583,22 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_qk_l2nor
     if output is not None:  # else `config.fuse_output`: the state kernel wrote o
         o = output(x["q2"], kn, gcum, hbuf, v_new, *tables)
     return o.reshape(v.shape), final
+
+
+NUM_SMS = 132  # H100 / H200 SXM
+
+
+def default_config(num_seqs: int, nv: int, hv: int) -> Config:
+    """`Config()` with the output fused into the state kernel, whose tile follows the number of
+    (sequence, value head) chains it can run side by side. H100, Nk16 Nv32 H = Hv = 128, bf16
+    (`experiments.profile_gdn_chunk`, NOTES.md session 4), whole op against 3.20 / 3.24 ms
+    unfused: B1 T32K (32 chains) 2.41 ms with 32-feature tiles and 4-warp state programs (8
+    warps 2.74, 64-feature tiles 2.97); B8 T4K (256 chains) 2.05 ms with 64-feature tiles and 8
+    warps (4 warps 2.57, 32-feature 2.84). The rule: 64-feature tiles when they still give two
+    programs per SM, else 32-feature tiles on 4 warps."""
+    if num_seqs * nv * triton.cdiv(hv, 64) >= 2 * NUM_SMS:
+        return Config(fuse_output=True, block_hv_state=64)
+    return Config(fuse_output=True, block_hv_state=32, state_warps=4)
 
 
 def kernel_options(config: Config) -> dict:
@@ -632,7 +648,7 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
     nv, hv = v.shape[2:]
     n_tok = bsz * t
     n_seq = bsz if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    config = Config() if config is None else config
+    config = default_config(n_seq, nv, hv) if config is None else config
     scale = h**-0.5 if scale is None else scale
     f32 = all(x.dtype == jnp.float32 for x in (q, k, v))
     inter = jnp.float32 if f32 else v.dtype
