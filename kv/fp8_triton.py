@@ -14,11 +14,13 @@ equal indices (the group's leader) works: it reads up to `sub_block` entries fro
 which are exactly its group (two tokens never share a slot). So every sub-block is written by one
 program and no two programs touch the same bytes.
 
-Numerics are those of `fp8.quantize_tokens`, bit for bit: old tokens before the first slot
-written are dequantised (`fp8 * scale` in float32), the new scale is `max(amax, AMAX_FLOOR) *
-float32(1 / 448)` over them and the new tokens, both are quantised with `clip(x / scale, -448,
-448)` rounded to nearest even (`div_rn`, then the saturating e4m3 conversion), and the slots from
-the first written one on that receive no token are zeroed.
+Numerics are those of `fp8.quantize_tokens`: old tokens before the first slot written are
+dequantised (`fp8 * scale` in float32), the new scale is `max(amax, AMAX_FLOOR) * float32(1 /
+448)` over them and the new tokens, both are quantised with `clip(x / scale, -448, 448)` rounded
+to nearest even (`div_rn`, then the saturating e4m3 conversion), and the slots from the first
+written one on that receive no token are zeroed. Bit for bit on the CPU; on the GPU XLA's float32
+division is not always correctly rounded and `div_rn` is (one byte of 1.7e7 differed by one e4m3
+step in one of two H100 runs).
 
 Supports: any sub-block size dividing the page (padded to a power of two), any head dim (padded),
 any float input dtype. Not supported: e5m2 pages, gradients.
