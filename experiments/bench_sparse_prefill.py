@@ -152,26 +152,31 @@ def estimate_rows(args, ctx):
         dense_ms = _dense_ms(args, ctx, s)
         q, k, v = _bench.qkv(s + 1, 1, s, n, kh, h)  # the sparse rows' inputs
         sparse = _sparse_case(args, ctx, s, args.density, q, k, v)
-        est = jax.jit(lambda q, k: xattn_estimate(q, k, block_size=bs, stride=stride,
-                                                  implementation="triton"))
-        _, mask = est(q, k)
-        sb = mask.shape[-1]
-        selected = float(jnp.sum(mask)) / (n * sb * (sb + 1) / 2)
-        ms = ctx.time(est, q, k)
-        fraction = ms / (ms + sparse["ms"])
-        flops = 2 * n * (s / stride) ** 2 / 2 * h * stride
-        yield _bench.row(
-            kernel="xattn_estimate",
-            case=f"B1-S{_bench.kilo(s)}-N{n}-K{kh}-H{h}-bs{bs}-st{stride}-bf16",
-            ms=ms, achieved=flops / ms / 1e9, unit="TFLOP/s", ceiling=ctx.matmul_tflops,
-            anchor="our dense Triton flash (causal)", anchor_ms=dense_ms,
-            goal="fraction_of_total = ms / (ms + sparse_ms) <= 0.2",
-            meets_goal=fraction <= 0.2, fraction_of_total=round(fraction, 4),
-            sparse_ms=round(sparse["ms"], 4), sparse_density=round(sparse["density"], 4),
-            dense_ms=round(dense_ms, 4),
-            mask_density_on_random_inputs=round(selected, 4),
-            config=_config_of(xattn_triton))
-        del q, k, v, mask
+        bf16_mask = None
+        for fp8 in (False, True):  # the exact estimate, then `fp8=True` (e4m3 GEMM)
+            est = jax.jit(lambda q, k, fp8=fp8: xattn_estimate(
+                q, k, block_size=bs, stride=stride, implementation="triton", fp8=fp8))
+            _, mask = est(q, k)
+            bf16_mask = mask if bf16_mask is None else bf16_mask
+            sb = mask.shape[-1]
+            selected = float(jnp.sum(mask)) / (n * sb * (sb + 1) / 2)
+            ms = ctx.time(est, q, k)
+            fraction = ms / (ms + sparse["ms"])
+            flops = 2 * n * (s / stride) ** 2 / 2 * h * stride
+            yield _bench.row(
+                kernel="xattn_estimate",
+                case=f"B1-S{_bench.kilo(s)}-N{n}-K{kh}-H{h}-bs{bs}-st{stride}-bf16"
+                + ("-fp8-gemm" if fp8 else ""),
+                ms=ms, achieved=flops / ms / 1e9, unit="TFLOP/s", ceiling=ctx.matmul_tflops,
+                anchor="our dense Triton flash (causal)", anchor_ms=dense_ms,
+                goal="fraction_of_total = ms / (ms + sparse_ms) <= 0.2",
+                meets_goal=fraction <= 0.2, fraction_of_total=round(fraction, 4),
+                sparse_ms=round(sparse["ms"], 4), sparse_density=round(sparse["density"], 4),
+                dense_ms=round(dense_ms, 4),
+                mask_density_on_random_inputs=round(selected, 4),
+                mask_agreement_with_bf16=round(float(jnp.mean(mask == bf16_mask)), 5),
+                config=_config_of(xattn_triton))
+        del q, k, v, mask, bf16_mask
 
 
 def _paged_problem(seed, *, prefix, chunk, n, kh, h, page, dtype=jnp.bfloat16):

@@ -70,7 +70,9 @@ def xattn_estimate(
         (the kernel on a GPU).
       fp8: score q and k rounded to e4m3 (one power-of-two scale per head and `stride` tokens,
         `attn.xattention.triton.quantize_e4m3`): the kernel's GEMM then runs on the fp8 tensor
-        cores (`Config.fp8`); `"xla"` scores the same rounded values in float32.
+        cores (`Config(fp8=True, block_k=128)`: on the H100 1.29x / 1.38x the bf16 kernel at
+        S64K / S128K, 99.7% of mask entries equal); `"xla"` scores the same rounded values in
+        float32.
 
     Returns:
       `(block_sums [B, N, Tb, Sb] float32, block_mask [B, N, Tb, Sb] bool)`, `Tb = ceil(T /
@@ -99,7 +101,7 @@ def xattn_estimate(
             return kernel.xattn_estimate(
                 q, k, block_size=block_size, stride=stride, threshold=threshold, norm=norm,
                 q_lengths=q_lengths, kv_lengths=kv_lengths,
-                config=kernel.Config(fp8=True) if fp8 else None)
+                config=kernel.Config(fp8=True, block_k=128) if fp8 else None)
         except NotImplementedError:
             if implementation == "triton":
                 raise
