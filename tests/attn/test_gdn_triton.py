@@ -86,13 +86,16 @@ def test_kernel_matches_reference(c):
     _check_pool_contract(o, new_pool, dirty, exp_o, exp_pool, SLOT_IDS)
 
 
-def test_nan_in_other_slots_changes_nothing_bitwise():
+@pytest.mark.parametrize("flags", [{}, dict(early_state=True, stream_state=True)],
+                         ids=["default", "early-stream"])
+def test_nan_in_other_slots_changes_nothing_bitwise(flags):
     """A neighbour's NaN slot, a NaN null slot and a NaN stale slot of a fresh request: the same
-    outputs and new states, bit for bit, as with finite old states there."""
+    outputs and new states, bit for bit, as with finite old states there (also with the state
+    loaded first and streamed)."""
     gen = rng()
     xs, pool = _problem(gen, nk=2, nv=4, h=16, hv=16)
     kw = dict(has_initial_state=jnp.asarray(HAS_INIT), use_qk_l2norm=True,
-              config=kernel.Config(block_hv=16))
+              config=kernel.Config(block_hv=16, **flags))
     o_a, p_a = kernel.gdn_decode_pool(*xs, jnp.asarray(pool), jnp.asarray(SLOT_IDS), **kw)
     o_b, p_b = kernel.gdn_decode_pool(*xs, jnp.asarray(_poisoned(pool, SLOT_IDS, HAS_INIT)),
                                       jnp.asarray(SLOT_IDS), **kw)
