@@ -2,7 +2,7 @@
 
     python -m experiments.sweep_conv1d [--configs 32-128-4-1,64-128-8-1,...] [--quick]
 
-A config is `block_t-block_c-num_warps-state_pass[-stream_store]`. Case: B1, T32K, C = 8192
+A config is `block_t-block_c-num_warps[-stream_store]`. Case: B1, T32K, C = 8192
 (Qwen3.5's conv dim), W4, bf16, SiLU, an initial state: the `causal_conv1d` row of
 `experiments.bench_prefill`.
 Prints one line per config (ms, TB/s, fraction of copy, max |y - first config's y|); writes
@@ -20,14 +20,12 @@ import numpy as np
 from attn.conv1d import triton_prefill as conv
 from experiments import _bench
 
-DEFAULT_CONFIGS = ("32-128-4-1,8-512-4-1,8-512-4-1-1,4-1024-4-1,4-1024-8-1,8-1024-8-1,"
-                   "16-512-8-1,8-256-2-1,4-512-2-1,16-128-2-1-1,2-1024-2-1")
+DEFAULT_CONFIGS = "8-512-4-1,8-512-4-0,32-128-4-0,16-128-2-1,8-256-2-1,4-1024-4-1"
 
 
 def _config(text: str) -> conv.Config:
-    t, c, w, p, *stream = (int(v) for v in text.split("-"))
-    return conv.Config(block_t=t, block_c=c, num_warps=w, state_pass=bool(p),
-                       stream_store=bool(stream and stream[0]))
+    t, c, w, *stream = (int(v) for v in text.split("-"))
+    return conv.Config(block_t=t, block_c=c, num_warps=w, stream_store=bool(stream and stream[0]))
 
 
 def main(argv=None) -> None:

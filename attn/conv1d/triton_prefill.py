@@ -6,13 +6,12 @@ Three kernels:
   `[BLOCK_T, BLOCK_C]` tile of `y` over the flattened token axis (`B · T` rows, or the packed row
   with `cu_seqlens`). Tap j reads the tile shifted back by `W - 1 - j` tokens: the first of the W
   loads brings the `W - 1` halo rows before the tile, the others hit L1 / L2, so DRAM sees each
-  input about once (memory-bound: `x` in, `y` out). A token whose tap reaches before its own
-  sequence's start reads that sequence's initial state instead (or zero), so tiles may straddle
-  sequence boundaries freely.
-* `_conv_state_fixup_kernel`, grid `(Ns, cdiv(C, BLOCK_C))`, only with an initial state and
-  `Config.state_pass` (default): rewrites `y` of the first `W - 1` tokens of each sequence, whose
-  taps reach into the state, so the main kernel reads no state and needs no registers for it
-  (otherwise a run-time branch of the main kernel does it).
+  input about once (memory-bound: `x` in, `y` out). A tap that reaches before its token's own
+  sequence start reads zero, so tiles may straddle sequence boundaries freely.
+* `_conv_state_fixup_kernel`, grid `(Ns, cdiv(C, BLOCK_C))`, only with an initial state:
+  rewrites `y` of the first `W - 1` tokens of each sequence, whose taps reach into the state, so
+  the main kernel reads no state (a run-time branch there for it measured ~1% slower on the
+  H100).
 * `_conv_final_state_kernel`, grid `(Ns, cdiv(C, BLOCK_C))`: the last `W - 1` raw inputs of
   `concat(state, x)` per sequence (part of the old state when a sequence is shorter than `W - 1`).
 
@@ -51,10 +50,6 @@ class Config:
     block_t: int = 8
     block_c: int = 512
     num_warps: int = 4
-    # Initial states through a second, tiny kernel over the first W - 1 tokens of each sequence
-    # (`_conv_state_fixup_kernel`, which rewrites their `y`) instead of a branch in the main
-    # kernel: the main kernel then holds no registers for the state taps.
-    state_pass: bool = True
     # Store `y` with `evict_first` (streaming: y does not push the input's halo rows out of L2).
     stream_store: bool = True
 
@@ -74,14 +69,12 @@ def _conv_prefill_kernel(
     bias_ptr,  # [C] (a dummy unless HAS_BIAS)
     seq_ptr,  # [N_TOK] int32 sequence of each token (a dummy unless VARLEN)
     cu_ptr,  # [Ns + 1] int32 sequence starts (a dummy unless VARLEN)
-    state_ptr,  # [Ns, C, W - 1] in x's dtype (a dummy unless HAS_STATE)
     y_ptr,  # [N_TOK, C]
     N_TOK: tl.constexpr,
     T_ROW: tl.constexpr,  # tokens per batch row without VARLEN
     C: tl.constexpr,
     W: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    HAS_STATE: tl.constexpr,
     VARLEN: tl.constexpr,
     SILU: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -110,20 +103,6 @@ def _conv_prefill_kernel(
         )
         wj = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)  # [BLOCK_C]
         acc += xj.to(tl.float32) * wj[None, :]
-    if HAS_STATE:
-        # Only tiles holding one of the first W - 1 tokens of a sequence read states; the others
-        # skip these loads (and their registers) at run time.
-        if tl.min(tl.where(mask_t, pos, W), axis=0) < W - 1:
-            for j in tl.static_range(W - 1):
-                back = W - 1 - j
-                # State column pos + j < W - 1: the input `back - pos` tokens before the start.
-                sj = tl.load(  # [BLOCK_T, BLOCK_C]
-                    state_ptr + (seq.to(tl.int64) * (C * (W - 1)) + pos + j)[:, None]
-                    + offs_c[None, :] * (W - 1),
-                    mask=(mask_t & (pos < back))[:, None] & mask_c[None, :], other=0.0,
-                )
-                wj = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
-                acc += sj.to(tl.float32) * wj[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
     if SILU:
@@ -274,17 +253,16 @@ def _forward(x, weight, bias, initial_state, cu_seqlens, *, activation, config):
     block_t = min(config.block_t, triton.next_power_of_2(n_tok))
     bias_arg = jnp.zeros((1,), jnp.float32) if bias is None else bias
     y = triton_call(
-        xf, weight, bias_arg, seq, cu, state,
+        xf, weight, bias_arg, seq, cu,
         kernel=_conv_prefill_kernel,
         out_shape=jax.ShapeDtypeStruct((n_tok, c), x.dtype),
         grid=(triton.cdiv(n_tok, block_t), triton.cdiv(c, block_c)),
         num_warps=config.num_warps,
-        N_TOK=n_tok, T_ROW=t, C=c, W=w, HAS_BIAS=bias is not None,
-        HAS_STATE=has_state and not config.state_pass, VARLEN=cu_seqlens is not None,
+        N_TOK=n_tok, T_ROW=t, C=c, W=w, HAS_BIAS=bias is not None, VARLEN=cu_seqlens is not None,
         SILU=activation == "silu", BLOCK_T=block_t, BLOCK_C=block_c,
         STREAM_STORE=config.stream_store,
     )
-    if has_state and config.state_pass:
+    if has_state:
         y = triton_call(
             xf, weight, bias_arg, cu, state, y,
             kernel=_conv_state_fixup_kernel,

@@ -186,13 +186,11 @@ def _check_prefill(y, final, exp_y, exp_final):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("state", ["zero-state", "state-pass", "state-inline"])
+@pytest.mark.parametrize("state", [False, True], ids=["zero-state", "state"])
 def test_prefill_kernel_matches_reference_on_edge_lengths(dtype, state):
-    """B2, C40 (a masked channel tile), tiles of 32 tokens so a tile straddles the two rows;
-    initial states through the fix-up kernel or the main kernel's branch."""
+    """B2, C40 (a masked channel tile), tiles of 32 tokens so a tile straddles the two rows."""
     gen = rng()
-    cfg = prefill_kernel.Config(block_t=32, block_c=64, state_pass=state != "state-inline")
-    state = state != "zero-state"
+    cfg = prefill_kernel.Config(block_t=32, block_c=64)
     for t in PREFILL_LENGTHS:
         x, weight, bias, h0 = _prefill_problem(gen, b=2, t=t, c=40, dtype=dtype, state=state)
         y, final = prefill_kernel.causal_conv1d(x, weight, bias, initial_state=h0,
@@ -203,8 +201,7 @@ def test_prefill_kernel_matches_reference_on_edge_lengths(dtype, state):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("state_pass", [True, False], ids=["state-pass", "state-inline"])
-def test_prefill_kernel_varlen(dtype, state_pass):
+def test_prefill_kernel_varlen(dtype):
     """Packed sequences of 2, 0, 1, 3, 5, 64, 65 and 60 tokens (shorter than W - 1, empty, one
     chunk, tile-crossing), each with its own state; no activation, W3, no bias."""
     gen = rng()
@@ -217,7 +214,7 @@ def test_prefill_kernel_varlen(dtype, state_pass):
               if state else None)
         y, final = prefill_kernel.causal_conv1d(
             x, weight, initial_state=h0, cu_seqlens=jnp.asarray(cu),
-            config=prefill_kernel.Config(block_t=32, block_c=16, state_pass=state_pass))
+            config=prefill_kernel.Config(block_t=32, block_c=16))
         exp_y, exp_final = ref_conv(x, weight, initial_state=h0,
                                              cu_seqlens=jnp.asarray(cu))
         _check_prefill(y, final, exp_y, exp_final)
@@ -258,18 +255,6 @@ def test_prefill_public_api_and_pool_dispatch_to_the_kernel_under_jit():
     np.testing.assert_array_equal(_bits(new_pool[written]), _bits(exp_pool[written]))
     others = ~np.isin(np.arange(SLOTS), SLOT_IDS)
     np.testing.assert_array_equal(_bits(new_pool[others]), _bits(dirty[others]))
-
-
-def test_prefill_state_pass_and_inline_branch_agree_bit_for_bit():
-    """Both ways of adding the initial state use one order of float32 operations."""
-    gen = rng()
-    x, weight, bias, h0 = _prefill_problem(gen, b=3, t=9, c=24, dtype=jnp.bfloat16, state=True)
-    out = [prefill_kernel.causal_conv1d(x, weight, bias, initial_state=h0, activation="silu",
-                                        config=prefill_kernel.Config(block_t=8, block_c=16,
-                                                                     state_pass=p))
-           for p in (True, False)]
-    for a, b in zip(*out):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 def test_prefill_config_validation():
