@@ -136,3 +136,20 @@ def test_prefill_smoke_runs_every_group_on_cpu(tmp_path):
     assert by["paged_prefill"][0]["rel_err_vs_anchor"] < 2e-2
     assert by["gdn_chunk_prefill"][0]["rel_err_o_vs_xla"] < 2e-2
     assert by["causal_conv1d"][0]["rel_err_y_vs_xla"] < 2e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [
+    ["experiments.sweep_conv1d", "--quick", "--configs", "8-16-4-1,16-16-2"],
+    ["experiments.sweep_prefill_kernels", "paged", "--quick"],
+    ["experiments.sweep_prefill_kernels", "sparse", "--quick"],
+    ["experiments.sweep_prefill_kernels", "xattn", "--quick"],
+], ids=["conv1d", "paged", "sparse", "xattn"])
+def test_sweep_scripts_run_on_cpu(argv, capsys):
+    """The GPU sweep scripts' `--quick` modes (interpreter): every config times and checks."""
+    import importlib
+
+    importlib.import_module(argv[0]).main(argv[1:])
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if " ms " in line or line.rstrip().endswith("ms")]
+    assert lines and "failed" not in out, out
