@@ -12,7 +12,7 @@ Quantisation of one sub-block (amax over its tokens and features):
 
 The scale is a product with the float32 reciprocal, not a division by 448: compilers rewrite a
 division by a constant into that product or not (XLA on the CPU does), and the Triton write
-kernel (`kv.fp8_triton`) must give the same bits as this module.
+kernel (`kv.fp8_triton`) must give the same scales as this module.
 
 The clip comes before the cast because casting anything above 464 to e4m3 gives NaN (and `x / s`
 can round a hair above 448). `AMAX_FLOOR` keeps the scale a normal float32, so an all-zero
