@@ -4,7 +4,6 @@ A row library: `experiments.bench_prefill` runs these groups with the others (`-
 
     python -m experiments.bench_gdn_prefill --out benchmarks   # only these rows (needs a GPU)
     python -m experiments.bench_gdn_prefill --smoke            # tiny shapes, CPU interpreter
-    python -m experiments.bench_gdn_prefill --ptxas            # compile for sm_90a, no GPU needed
 
 writes `<out>/gdn_prefill.json` and `.md` (`--smoke`: `gdn_prefill_smoke.*`). Each group is
 `(args, ctx) -> rows` (a generator), `ctx` an `experiments._bench.Context`. Rows:
@@ -25,8 +24,8 @@ writes `<out>/gdn_prefill.json` and `.md` (`--smoke`: `gdn_prefill_smoke.*`). Ea
   `fraction_of_floor` = floor_ms / ms. Goal (PERF.md) `speedup_vs_anchor >= 1.5` against fla
   (None when fla is missing).
 
-`--ptxas` compiles every kernel of both ops at the row shapes for sm_90a (Triton's bundled ptxas,
-no GPU needed) and prints ptxas's registers and spills per kernel: it writes nothing.
+Registers and spills of the GDN kernels for sm_90a (no GPU needed): `python -m
+experiments.profile_gdn_chunk --ptxas [--config ...]`.
 
 Every row carries the relative error of our outputs (and final states) against the XLA reference
 (and fla's against ours), so a fast wrong kernel shows.
@@ -236,79 +235,9 @@ def gdn_rows(args, ctx):
             flops=flops, bytes=num_bytes, **extra)
 
 
-# Run in a fresh interpreter: Triton must be imported before `attn` (which switches a CPU-only
-# process to the interpreter), so the kernels stay compilable.
-_PTXAS_SCRIPT = """
-import os, subprocess, sys, tempfile
-os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from attn.conv1d import triton_prefill as conv
-from attn.gdn import triton_chunk as gdn
-
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-
-def report(fn, pointers, consts, warps, stages=2):
-    sig = dict(pointers, **{k: "constexpr" for k in consts})
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps, num_stages=stages))
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(k.asm["ptx"])
-    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
-                         capture_output=True, text=True).stderr
-    info = [line.split(":", 1)[-1].strip() for line in out.splitlines()
-            if "registers" in line or "spill" in line]
-    print(f"{fn.fn.__name__:28s} warps={warps}  " + "; ".join(info), flush=True)
-
-cc = conv.Config()
-bf, f32, i32 = "*bf16", "*fp32", "*i32"
-for varlen in (False, True):
-    report(conv._conv_prefill_kernel,
-           dict(x_ptr=bf, w_ptr=bf, bias_ptr=f32, seq_ptr=i32, cu_ptr=i32, state_ptr=bf, y_ptr=bf),
-           dict(N_TOK=32768, T_ROW=32768, C=8192, W=4, HAS_BIAS=False, HAS_STATE=True,
-                VARLEN=varlen, SILU=True, BLOCK_T=cc.block_t, BLOCK_C=cc.block_c), cc.num_warps)
-report(conv._conv_final_state_kernel, dict(x_ptr=bf, cu_ptr=i32, state_ptr=bf, final_ptr=bf),
-       dict(C=8192, W=4, HAS_STATE=True, BLOCK_C=cc.block_c, BLOCK_W=4), cc.num_warps)
-gc = gdn.Config()
-for dt, exact in ((bf, False), (f32, True)):
-    common = dict(EPS=1e-6, L2NORM=True, F32=exact, NK=16, NV=32, H=128, HV=128, BLOCK_H=128)
-    report(gdn._intra_kernel,
-           dict(k_ptr=dt, v_ptr=dt, g_ptr=f32, beta_ptr=f32, cstart_ptr=i32, clen_ptr=i32,
-                gcum_ptr=f32, w_ptr=dt, u_ptr=dt),
-           dict(common, BT=64, SUB=16, BLOCK_HV=128), gc.intra_warps, 1)
-    report(gdn._state_kernel,
-           dict(k_ptr=dt, w_ptr=dt, u_ptr=dt, gcum_ptr=f32, cstart_ptr=i32, clen_ptr=i32,
-                sfirst_ptr=i32, scount_ptr=i32, h0_ptr=f32, hbuf_ptr=dt, vnew_ptr=dt,
-                final_ptr=f32),
-           dict(common, HAS_INIT=True, BT=64, BLOCK_HV=gc.block_hv_state), gc.num_warps,
-           gc.num_stages)
-    report(gdn._output_kernel,
-           dict(q_ptr=dt, k_ptr=dt, gcum_ptr=f32, hbuf_ptr=dt, vnew_ptr=dt, cstart_ptr=i32,
-                clen_ptr=i32, o_ptr=dt),
-           dict(common, SCALE=128 ** -0.5, BT=64, BLOCK_HV=gc.block_hv_out), gc.num_warps,
-           gc.num_stages)
-"""
-
-
-def ptxas_report() -> int:
-    """Compile both ops' kernels for sm_90a in a fresh process; print ptxas's register report."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    return subprocess.run([sys.executable, "-c", _PTXAS_SCRIPT], env=env, check=False).returncode
-
-
 def main(argv=None):
-    """These groups alone, through `experiments.bench_prefill` (its options apply), or
-    `--ptxas`."""
+    """These groups alone, through `experiments.bench_prefill` (its options apply)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--ptxas" in argv:
-        return ptxas_report()
     from experiments import bench_prefill
 
     return bench_prefill.main(["--name", "gdn_prefill", *argv], rows=GROUPS)

@@ -339,14 +339,9 @@ def test_chunked_compiled_on_gpu_float32_inputs():
         assert err <= 1e-5, f"{name}: relative error {err:.3g}"
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("varlen", [False, True], ids=["B2-T4K", "varlen"])
-def test_chunked_compiled_on_gpu_at_model_dims(varlen):
-    """Nk16, Nv32, H = Hv = 128, bf16 q/k/v, l2-norm, initial states; varlen packs 5 sequences
-    (one empty, one of 1 token). bf16 intermediates and bf16 dot operands (as fla's): the
-    relative-norm error against the float32 XLA reference must stay <= 2e-2 for the output and
-    the final state (the interpreter, whose f32 -> bf16 casts truncate, gives 1.05e-2 / 8.3e-3 at
-    T256, H = Hv = 64); a wrong chunk, head or boundary gives O(1)."""
+def _check_at_model_dims(varlen, config):
+    """Nk16 Nv32 H = Hv = 128 bf16 with states (B2 T4K, or 5 packed sequences): o and the
+    final states within 2e-2 (relative norm) of the float32 XLA reference."""
     gen = rng()
     cu = None
     if varlen:
@@ -358,13 +353,24 @@ def test_chunked_compiled_on_gpu_at_model_dims(varlen):
         xs, h0 = _chunk_problem(gen, b=2, t=4096, nk=16, nv=32, h=128, hv=128,
                                 dtype=jnp.bfloat16)
     kw = dict(initial_state=h0, use_qk_l2norm=True, cu_seqlens=cu)
-    o, final = jax.jit(lambda *a: chunk_kernel.gdn_chunked(*a, **kw))(*xs)
+    o, final = jax.jit(lambda *a: chunk_kernel.gdn_chunked(*a, **kw, config=config))(*xs)
     exp_o, exp_final = jax.jit(lambda *a: ref.gdn_chunked(*a, **kw))(*xs)
     for name, a, e in (("o", o, exp_o), ("final", final, exp_final)):
         a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
         assert np.isfinite(a).all(), name
         err = np.linalg.norm(a - e) / np.linalg.norm(e)
         assert err <= 2e-2, f"{name}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True], ids=["B2-T4K", "varlen"])
+def test_chunked_compiled_on_gpu_at_model_dims(varlen):
+    """Nk16, Nv32, H = Hv = 128, bf16 q/k/v, l2-norm, initial states; varlen packs 5 sequences
+    (one empty, one of 1 token). bf16 intermediates and bf16 dot operands (as fla's): the
+    relative-norm error against the float32 XLA reference must stay <= 2e-2 for the output and
+    the final state (the interpreter, whose f32 -> bf16 casts truncate, gives 1.05e-2 / 8.3e-3 at
+    T256, H = Hv = 64); a wrong chunk, head or boundary gives O(1)."""
+    _check_at_model_dims(varlen, None)
 
 
 # The speed options of `triton_chunk.Config`, each alone on top of PLAIN (all off: the
@@ -556,24 +562,7 @@ def test_chunked_speed_options_compiled_on_gpu(opts, varlen):
     the same 2e-2 relative-norm bound against the float32 XLA reference (bf16 rounds at 2^-9:
     the options move the error by at most one more rounding of the output's or the solve's
     operands, 1.8e-2 worst in the interpreter whose casts truncate)."""
-    gen = rng()
-    cu = None
-    if varlen:
-        cu = jnp.asarray(np.asarray([0, 1, 1000, 1000, 3000, 4096], np.int32))
-        xs, h0 = _chunk_problem(gen, b=1, t=4096, nk=16, nv=32, h=128, hv=128,
-                                dtype=jnp.bfloat16, n_state=5)
-    else:
-        xs, h0 = _chunk_problem(gen, b=2, t=4096, nk=16, nv=32, h=128, hv=128,
-                                dtype=jnp.bfloat16)
-    kw = dict(initial_state=h0, use_qk_l2norm=True, cu_seqlens=cu)
-    config = dataclasses.replace(PLAIN, **opts)
-    o, final = jax.jit(lambda *a: chunk_kernel.gdn_chunked(*a, **kw, config=config))(*xs)
-    exp_o, exp_final = jax.jit(lambda *a: ref.gdn_chunked(*a, **kw))(*xs)
-    for name, a, e in (("o", o, exp_o), ("final", final, exp_final)):
-        a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
-        assert np.isfinite(a).all(), name
-        err = np.linalg.norm(a - e) / np.linalg.norm(e)
-        assert err <= 2e-2, f"{name}: relative error {err:.3g}"
+    _check_at_model_dims(varlen, dataclasses.replace(PLAIN, **opts))
 
 
 def test_bench_gdn_prefill_smoke_runs_on_cpu(tmp_path):
