@@ -4,14 +4,16 @@
     python -m experiments.sweep_prefill_kernels paged  [--configs 128-64-8-3,128-64-8-3-ws,...]
     python -m experiments.sweep_prefill_kernels sparse [--configs ...]
     python -m experiments.sweep_prefill_kernels xattn
+    python -m experiments.sweep_prefill_kernels conv1d [--configs 8-512-4-1,32-128-4,...]
 
 A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialised unmasked loop.
 - paged: a 2K chunk over 8K and 32K prefixes, N32/K8/H128 bf16, pages of 64; anchor: our dense
   flash on a gathered copy (the `paged_prefill` row of `experiments.bench_prefill`).
 - sparse: N32/K8/H128 bf16, blocks of 128, S64K at density 0.1 and 1.0 and S128K at 0.1; anchor:
   our dense flash (the goal: <= 1.15 x density x dense).
-- xattn: the estimate at S64K and S128K (stride 16), bf16 and `Config(fp8=True)` variants, and the
-  e4m3 quantiser alone.
+- xattn: the estimate at S64K and S128K (stride 16), bf16 and `Config(fp8=True)` variants.
+- conv1d: causal conv1d prefill, B1 T32K, C = 8192, W4, bf16, SiLU, an initial state, against
+  the copy bandwidth; a config is `block_t-block_c-warps[-stream_store]`.
 `--quick`: tiny shapes through the interpreter (for CI).
 """
 
@@ -21,10 +23,12 @@ import argparse
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import attn  # noqa: F401  (sets up Triton before its first import)
 from attn.block_sparse import reference as sparse_ref
 from attn.block_sparse import triton as sparse_triton
+from attn.conv1d import triton_prefill as conv_triton
 from attn.dense import triton as dense_triton
 from attn.dense import triton_paged
 from attn.paged_decode.reference import gather_pages
@@ -133,9 +137,37 @@ def xattn(quick):
         del q, k
 
 
+def conv1d(configs, quick):
+    t, c, w = (40, 32, 4) if quick else (32768, 8192, 4)
+    gen = np.random.default_rng(0)
+    x = jnp.asarray(gen.standard_normal((1, t, c), np.float32), jnp.bfloat16)
+    weight = jnp.asarray(gen.standard_normal((c, w), np.float32) * 0.5, jnp.bfloat16)
+    h0 = jnp.asarray(gen.standard_normal((1, c, w - 1), np.float32), jnp.bfloat16)
+    ceiling = _bench.copy_bandwidth_tbs(1 << 20 if quick else 4 << 30)["ceiling"]
+    num_bytes = 2 * t * c * 2 + 2 * c * (w - 1) * 2 + c * w * 2
+    print(f"copy ceiling {ceiling:.3f} TB/s; B1 T{t} C{c} W{w} bf16 silu state", flush=True)
+    ref = None
+    for text in configs:
+        bt, bc, warps, *stream = (int(v) for v in text.split("-"))
+        cfg = conv_triton.Config(block_t=bt, block_c=bc, num_warps=warps,
+                                 stream_store=bool(stream and stream[0]))
+        fn = jax.jit(lambda x, wt, s, cfg=cfg: conv_triton.causal_conv1d(
+            x, wt, initial_state=s, activation="silu", config=cfg)[0])
+        try:
+            out = fn(x, weight, h0)
+            ms = _time(fn, x, weight, h0, quick=quick)
+        except Exception as e:  # a config that does not compile: report and go on
+            print(f"  {text:18} failed: {str(e).splitlines()[0][:120]}", flush=True)
+            continue
+        ref = out if ref is None else ref
+        tbs = num_bytes / ms / 1e9
+        print(f"  {text:18} {ms:9.4f} ms  {tbs:6.3f} TB/s = {tbs / ceiling:.3f} of copy  "
+              f"err {_bench.rel_err(out, ref):.1e}", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=("paged", "sparse", "xattn"))
+    parser.add_argument("kernel", choices=("paged", "sparse", "xattn", "conv1d"))
     parser.add_argument("--configs", default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None, help="ignored (the gpu-check convention)")
@@ -143,11 +175,12 @@ def main(argv=None) -> None:
     if args.kernel == "xattn":
         return xattn(args.quick)
     default = {"paged": "128-64-8-3,128-64-8-3-ws,128-128-8-3-ws,128-128-8-2",
-               "sparse": "128-64-8-3,128-64-8-3-ws,128-128-8-3,128-128-8-3-ws,128-64-8-4"}
+               "sparse": "128-64-8-3,128-64-8-3-ws,128-128-8-3,128-128-8-3-ws,128-64-8-4",
+               "conv1d": "8-512-4-1,8-512-4-0,32-128-4-0,16-128-2-1,8-256-2-1,4-1024-4-1"}
     configs = (args.configs or default[args.kernel]).split(",")
     if args.quick:
-        configs = ["16-16-4-2"]
-    (paged if args.kernel == "paged" else sparse)(configs, args.quick)
+        configs = ["8-16-4-1", "16-16-2"] if args.kernel == "conv1d" else ["16-16-4-2"]
+    {"paged": paged, "sparse": sparse, "conv1d": conv1d}[args.kernel](configs, args.quick)
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def test_prefill_smoke_runs_every_group_on_cpu(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("argv", [
-    ["experiments.sweep_conv1d", "--quick", "--configs", "8-16-4-1,16-16-2"],
+    ["experiments.sweep_prefill_kernels", "conv1d", "--quick"],
     ["experiments.sweep_prefill_kernels", "paged", "--quick"],
     ["experiments.sweep_prefill_kernels", "sparse", "--quick"],
     ["experiments.sweep_prefill_kernels", "xattn", "--quick"],

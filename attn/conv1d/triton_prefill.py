@@ -42,9 +42,10 @@ from attn.conv1d import reference
 class Config:
     """Launch configuration: token rows and channels per program, warps per program.
 
-    H100 sweep (`experiments.sweep_conv1d`, T32K, C = 8192, W4, bf16, SiLU, state; NOTES.md
-    session 4): 8 tokens x 512 channels, 4 warps, streaming stores 0.449 ms = 0.791 of the copy
-    ceiling; 32 x 128 0.461-0.465 (0.77); 8 warps and tiles of >= 64 tokens 0.56-0.73.
+    H100 sweep (`experiments.sweep_prefill_kernels conv1d`, T32K, C = 8192, W4, bf16, SiLU,
+    state; NOTES.md session 4): 8 tokens x 512 channels, 4 warps, streaming stores 0.449 ms =
+    0.791 of the copy ceiling; 32 x 128 0.461-0.465 (0.77); 8 warps and tiles of >= 64 tokens
+    0.56-0.73.
     """
 
     block_t: int = 8
