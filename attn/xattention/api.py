@@ -69,7 +69,7 @@ def xattn_estimate(
         capped by `Config.scratch_bytes`; the selection in XLA; not differentiable) or `"auto"`
         (the kernel on a GPU).
       fp8: score q and k rounded to e4m3 (one power-of-two scale per head and `stride` tokens,
-        `attn.xattention.triton.quantize_e4m3`): the kernel's GEMM then runs on the fp8 tensor
+        `attn.xattention.reference.quantize_e4m3`): the kernel's GEMM then runs on the fp8 tensor
         cores (`Config(fp8=True, block_k=128)`: on the H100 1.29x / 1.38x the bf16 kernel at
         S64K / S128K, 99.7% of mask entries equal); `"xla"` scores the same rounded values in
         float32.
@@ -106,14 +106,11 @@ def xattn_estimate(
             if implementation == "triton":
                 raise
     if fp8:  # the same rounding as the kernel's, scored in float32
-        from attn.block_sparse.reference import _lengths
-        from attn.xattention import triton as kernel
-
         b, t, s = q.shape[0], q.shape[1], k.shape[1]
-        q = kernel.dequantize_e4m3(*kernel.quantize_e4m3(q, _lengths(q_lengths, t, b), stride),
-                                   stride)
-        k = kernel.dequantize_e4m3(*kernel.quantize_e4m3(k, _lengths(kv_lengths, s, b), stride),
-                                   stride)
+        q = reference.dequantize_e4m3(
+            *reference.quantize_e4m3(q, reference._lengths(q_lengths, t, b), stride), stride)
+        k = reference.dequantize_e4m3(
+            *reference.quantize_e4m3(k, reference._lengths(kv_lengths, s, b), stride), stride)
     return _estimate(
         q, k, block_size=block_size, stride=stride, threshold=jnp.float32(threshold),
         norm=jnp.float32(norm), chunk_size=chunk_size, q_lengths=q_lengths, kv_lengths=kv_lengths)

@@ -173,3 +173,31 @@ def xattn_estimate(
     in_range = ((r < _cdiv(q_len, block_size)[:, None, None])
                 & (j < _cdiv(kv_len, block_size)[:, None, None]))
     return sums, mask & in_range[:, None]
+
+
+E4M3_MAX = 448.0
+
+
+def quantize_e4m3(x, lengths, stride):
+    """`x [B, L, heads, H]` rounded to e4m3 with one power-of-two scale per (request, head,
+    `stride` consecutive tokens): returns `(x8 [B, L, heads, H] float8_e4m3fn, scale [B, heads,
+    ceil(L / stride)] float32)`, `x ≈ x8 · scale`. A group's `amax / scale` lies in [224, 448)
+    (an all-zero group gets scale 1); tokens at or past `lengths [B]` are read as 0 (they may
+    hold NaN). Rounding to nearest even, as `cvt.rn.satfinite` on the GPU."""
+    b, l, heads, h = x.shape
+    keep = (jnp.arange(l)[None, :] < lengths[:, None])[:, :, None, None]
+    x = jnp.where(keep, x.astype(jnp.float32), 0.0)
+    groups = _pad_to(x, 1, stride).reshape(b, -1, stride, heads, h)
+    amax = jnp.max(jnp.abs(groups), axis=(2, 4))  # [B, L / st, heads]
+    # amax / 448 = m · 2^e with m in [1/2, 1); an all-zero group takes e = 0.
+    _, exponent = jnp.frexp(jnp.where(amax > 0, amax, E4M3_MAX / 2) / E4M3_MAX)
+    scale = jnp.ldexp(jnp.float32(1.0), exponent)  # 2^e: amax / scale in [224, 448)
+    per_token = jnp.repeat(1.0 / scale, stride, axis=1)[:, :l, :, None]  # powers of two: exact
+    x8 = jnp.clip(x * per_token, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return x8, scale.transpose(0, 2, 1)
+
+
+def dequantize_e4m3(x8, scale, stride):
+    """`x8 · scale` in float32 (exact), the inverse layout of `quantize_e4m3`."""
+    per_token = jnp.repeat(scale.transpose(0, 2, 1), stride, axis=1)[:, :x8.shape[1]]
+    return x8.astype(jnp.float32) * per_token[..., None]

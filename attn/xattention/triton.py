@@ -30,7 +30,7 @@ get no mass; queries past `q_len` and keys past `kv_len` read as 0 (never loaded
 run-time value folded into the score scale, `log2(e) / sqrt(H) / st / norm`.
 
 `Config.fp8` (off by default) runs the GEMM on the e4m3 tensor cores (Hopper: twice bf16's rate).
-`quantize_e4m3` (XLA; the kernel path runs it as one Triton pass before the score kernel,
+`reference.quantize_e4m3` (XLA; the kernel path runs it as one Triton pass before the score kernel,
 `quantize_e4m3_kernel`, bit-equal: q and k read once, written once in e4m3) rounds q and k to e4m3
 with one power-of-two scale per (head, group of `st` consecutive tokens), so per (head, reduced
 row) for q and per (KV head, reduced column) for k, `amax / scale` in [224, 448); tokens past the
@@ -69,6 +69,7 @@ from attn import _checks
 from attn._harness import triton_call
 from attn.block_sparse.reference import _cdiv, _lengths, diagonal_blocks
 from attn.xattention import reference
+from attn.xattention.reference import dequantize_e4m3, quantize_e4m3  # noqa: F401 (tests)
 
 LOG2E = math.log2(math.e)
 _MAX_HEAD_DIM = 256
@@ -293,7 +294,6 @@ def check_supported(q) -> None:
                                   f"supported by the Triton XAttention estimate")
 
 
-E4M3_MAX = 448.0
 
 
 @triton.jit
@@ -352,31 +352,6 @@ def quantize_e4m3_kernel(x, lengths, stride, groups):
         num_stages=1,
         L=l, NH=heads, H=h, ST=stride, MP=groups, BLOCK_N=block_n, BLOCK_H=block_h,
     )
-
-
-def quantize_e4m3(x, lengths, stride):
-    """`x [B, L, heads, H]` rounded to e4m3 with one power-of-two scale per (request, head,
-    `stride` consecutive tokens): returns `(x8 [B, L, heads, H] float8_e4m3fn, scale [B, heads,
-    ceil(L / stride)] float32)`, `x ≈ x8 · scale`. A group's `amax / scale` lies in [224, 448)
-    (an all-zero group gets scale 1); tokens at or past `lengths [B]` are read as 0 (they may
-    hold NaN). Rounding to nearest even, as `cvt.rn.satfinite` on the GPU."""
-    b, l, heads, h = x.shape
-    keep = (jnp.arange(l)[None, :] < lengths[:, None])[:, :, None, None]
-    x = jnp.where(keep, x.astype(jnp.float32), 0.0)
-    groups = reference._pad_to(x, 1, stride).reshape(b, -1, stride, heads, h)
-    amax = jnp.max(jnp.abs(groups), axis=(2, 4))  # [B, L / st, heads]
-    # amax / 448 = m · 2^e with m in [1/2, 1); an all-zero group takes e = 0.
-    _, exponent = jnp.frexp(jnp.where(amax > 0, amax, E4M3_MAX / 2) / E4M3_MAX)
-    scale = jnp.ldexp(jnp.float32(1.0), exponent)  # 2^e: amax / scale in [224, 448)
-    per_token = jnp.repeat(1.0 / scale, stride, axis=1)[:, :l, :, None]  # powers of two: exact
-    x8 = jnp.clip(x * per_token, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-    return x8, scale.transpose(0, 2, 1)
-
-
-def dequantize_e4m3(x8, scale, stride):
-    """`x8 · scale` in float32 (exact), the inverse layout of `quantize_e4m3`."""
-    per_token = jnp.repeat(scale.transpose(0, 2, 1), stride, axis=1)[:, :x8.shape[1]]
-    return x8.astype(jnp.float32) * per_token[..., None]
 
 
 @functools.cache
