@@ -10,9 +10,10 @@ the value is the same `c_kv` tile, loaded once and used for both the score and t
 When the key tile divides the page size (`Config.page_tiles`, the default), a tile lies in one
 page: one page id per tile, read a tile ahead, and one strided 2-D load; otherwise keys are
 gathered token by token through the block table (a tile may span pages of any size `P`). A -1
-entry reads the null page 0 and is masked. FP8 latent pages are dequantised in the kernel:
-the token's scale multiplies the score columns and the probabilities, so the tiles go to the
-tensor cores unscaled (widened to float16: e4m3 -> f16 is one instruction on Hopper).
+entry reads the null page 0, as the reference does; tokens past the length are masked. FP8
+latent pages are dequantised in the kernel: the token's scale multiplies the score columns and
+the probabilities, so the tiles go to the tensor cores unscaled (widened to float16: e4m3 -> f16
+is one instruction on Hopper).
 
 Splits follow the reference (`attn.mla.reference.split_of_token`): row b's `cdiv(len_b, P)` pages
 are cut into `SPLITS` page-aligned runs of `cdiv(cdiv(len_b, P), SPLITS)` pages, so the partials
@@ -182,12 +183,12 @@ def _mla_decode_kernel(
         pos = lo + t * BLOCK_N + offs_n  # [BLOCK_N] token positions of the row
         valid = pos < hi
         if PAGE_TILES:
-            page = tl.maximum(next_page, 0)  # -1: the null page, masked below
+            page = tl.maximum(next_page, 0)  # -1: the null page 0, as the reference
             ahead = lo + (t + 1) * BLOCK_N
             next_page = tl.load(table_row + ahead // P, mask=ahead < hi, other=0)
         else:
             page = tl.load(table_row + pos // P, mask=valid, other=0)
-            page = tl.where(page < 0, 0, page)  # -1: null page, masked below
+            page = tl.where(page < 0, 0, page)  # -1: the null page 0, as the reference
         row = page.to(tl.int64) * P + pos % P  # [BLOCK_N] latent rows
         c_kv = tl.load(  # [BLOCK_N, BLOCK_L]: the key's first L features and the value
             latent_ptr + row[:, None] * (L + R) + offs_l[None, :],
