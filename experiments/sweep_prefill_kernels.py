@@ -6,7 +6,8 @@
     python -m experiments.sweep_prefill_kernels xattn
     python -m experiments.sweep_prefill_kernels conv1d [--configs 8-512-4-1,32-128-4,...]
 
-A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialised unmasked loop.
+A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialised unmasked loop
+(block-sparse also `-kvh`: programs KV head by KV head, `-one`: one loop for every step).
 - paged: a 2K chunk over 8K and 32K prefixes, N32/K8/H128 bf16, pages of 64; anchor: our dense
   flash on a gathered copy (the `paged_prefill` row of `experiments.bench_prefill`).
 - sparse: N32/K8/H128 bf16, blocks of 128, S64K at density 0.1 and 1.0 and S128K at 0.1; anchor:
@@ -39,10 +40,16 @@ from experiments.bench_sparse_prefill import _paged_problem, _sparse_mask
 N, KH, H = 32, 8, 128
 
 
+# Config suffixes: `-ws` warp-specialised unmasked loop; block-sparse only: `-kvh` programs KV
+# head by KV head (`kv_head_major`), `-one` one loop for whole and masked steps (`one_loop`).
+_FLAGS = {"ws": "warp_specialize", "kvh": "kv_head_major", "one": "one_loop"}
+
+
 def _parse(text: str, cls):
-    ws = text.endswith("-ws")
-    bm, bn, warps, stages = (int(x) for x in text.removesuffix("-ws").split("-"))
-    return cls(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, warp_specialize=ws)
+    parts = text.split("-")
+    bm, bn, warps, stages = (int(x) for x in parts[:4])
+    flags = {_FLAGS[f]: True for f in parts[4:]}
+    return cls(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, **flags)
 
 
 def _time(fn, *args, quick):
@@ -175,7 +182,8 @@ def main(argv=None) -> None:
     if args.kernel == "xattn":
         return xattn(args.quick)
     default = {"paged": "128-64-8-3,128-64-8-3-ws,128-128-8-3-ws,128-128-8-2",
-               "sparse": "128-64-8-3,128-64-8-3-ws,128-128-8-3,128-128-8-3-ws,128-64-8-4",
+               "sparse": "128-128-8-3,128-128-8-3-kvh,128-128-8-3-one,128-128-8-3-kvh-one,"
+                         "128-128-8-3-ws-kvh-one,128-64-8-3-kvh-one",
                "conv1d": "8-512-4-1,8-512-4-0,32-128-4-0,16-128-2-1,8-256-2-1,4-1024-4-1"}
     configs = (args.configs or default[args.kernel]).split(",")
     if args.quick:

@@ -77,6 +77,11 @@ class Config:
     # The unmasked (whole-block) loop warp-specialised (Triton's Hopper pass; >= 8 warps), as
     # the dense kernel's `Config.warp_specialize`.
     warp_specialize: bool = False
+    # Programs ordered KV head by KV head (siblings fastest) instead of heads fastest, so the
+    # K / V in flight is one KV head's (see the kernel).
+    kv_head_major: bool = False
+    # The whole-block and masked steps in one pipelined loop (a run-time branch for the mask).
+    one_loop: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_m", "block_n"))
@@ -134,13 +139,16 @@ def block_lists(
 
 
 @triton.jit
-def _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len,
+def _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, first_masked,
            SCALE_LOG2: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
            SB: tl.constexpr, BS: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr):
+           BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr,
+           MIXED: tl.constexpr = False):
     """Step `i` of a list walk: `BLOCK_N` keys, sub-step `i % (BS // BLOCK_N)` of the listed block
-    `j` (entry `i // (BS // BLOCK_N)`); MASKED applies the causal and length rules. Returns the
-    block of step `i + 1` too, loaded one step ahead (see the kernel)."""
+    `j` (entry `i // (BS // BLOCK_N)`); MASKED applies the causal and length rules. MIXED (the
+    one-loop walk): the loads are bounded by the keys and the rules apply from step
+    `first_masked` on, a run-time choice. Returns the block of step `i + 1` too, loaded one step
+    ahead (see the kernel)."""
     SPB: tl.constexpr = BS // BLOCK_N  # steps per block
     start = tl.multiple_of(j * BS + (i % SPB) * BLOCK_N, BLOCK_N)
     j_next = tl.load(blocks + tl.minimum((i + 1) // SPB, SB - 1))
@@ -149,10 +157,20 @@ def _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len,
     offs_hv = tl.arange(0, BLOCK_HV)
     cols = start + offs_n  # [BLOCK_N] key positions
     in_kv = cols < kv_len
-    k = _load(k_base + cols[:, None] * (K * H) + offs_h[None, :], in_kv, offs_h < H, MASKED,
-              BLOCK_H != H)
+    k = _load(k_base + cols[:, None] * (K * H) + offs_h[None, :], in_kv, offs_h < H,
+              MASKED or MIXED, BLOCK_H != H)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
-    if MASKED:
+    if MIXED:
+        if i >= first_masked:
+            visible = (cols[None, :] <= pos[:, None]) & in_kv[None, :]
+            s = tl.where(visible, qk * SCALE_LOG2, float("-inf"))
+        else:
+            s = qk * SCALE_LOG2
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m - m_use)
+    elif MASKED:
         visible = (cols[None, :] <= pos[:, None]) & in_kv[None, :]
         s = tl.where(visible, qk * SCALE_LOG2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -164,8 +182,8 @@ def _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len,
         m_new = tl.maximum(m, tl.max(qk, 1) * SCALE_LOG2)
         p = tl.exp2(qk * SCALE_LOG2 - m_new[:, None])
         alpha = tl.exp2(m - m_new)
-    v = _load(v_base + cols[:, None] * (K * HV) + offs_hv[None, :], in_kv, offs_hv < HV, MASKED,
-              BLOCK_HV != HV)
+    v = _load(v_base + cols[:, None] * (K * HV) + offs_hv[None, :], in_kv, offs_hv < HV,
+              MASKED or MIXED, BLOCK_HV != HV)
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -202,14 +220,25 @@ def _block_sparse_kernel(
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    KV_HEAD_MAJOR: tl.constexpr = False,
+    ONE_LOOP: tl.constexpr = False,
 ):
-    # Heads fastest (GQA siblings share K/V in L2); the last query tiles (longest lists) first.
+    # The last query tiles (longest lists) first. Heads fastest: GQA siblings run together.
+    # KV_HEAD_MAJOR: siblings fastest, then query tiles, then requests, then KV heads, so the
+    # programs in flight walk the blocks of one KV head (its K / V, 32 MB at S64K H128 bf16, can
+    # stay in L2; heads fastest spreads them over all K heads' K / V).
     N: tl.constexpr = K * G
     pid = tl.program_id(0)
-    n = pid % N
-    b = (pid // N) % B
-    mt = NUM_M - 1 - pid // (N * B)
-    kh = n // G
+    if KV_HEAD_MAJOR:
+        kh = pid // (G * NUM_M * B)
+        b = (pid // (G * NUM_M)) % B
+        mt = NUM_M - 1 - (pid // G) % NUM_M
+        n = kh * G + pid % G
+    else:
+        n = pid % N
+        b = (pid // N) % B
+        mt = NUM_M - 1 - pid // (N * B)
+        kh = n // G
     r = (mt * BLOCK_M) // BS  # the query tile (block row)
 
     toks = mt * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -239,15 +268,26 @@ def _block_sparse_kernel(
     # overlap inside a block). The block index is loaded one step ahead and carried: a load of it
     # in the step itself makes it a second-level indirect load, for which Triton's pipeliner
     # halves the K / V prefetch distance (seen in the sm_90 TTGIR at 3 stages).
+    # ONE_LOOP: both parts in one loop, the rules applied from step `whole * SPB` on by a
+    # run-time branch, so the diagonal's steps are pipelined with the rest instead of paying a
+    # loop prologue of their own (with 128-key steps the masked part is one step).
     SPB: tl.constexpr = BS // BLOCK_N
     j = tl.load(blocks)
-    for i in tl.range(0, whole * SPB, warp_specialize=WARP_SPECIALIZE):  # seen whole: no mask
-        acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, SCALE_LOG2,
-                              K, H, HV, SB, BS, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
-    j = tl.load(blocks + tl.minimum(whole, SB - 1))
-    for i in range(whole * SPB, count * SPB):  # the diagonal and the length tail: token masks
-        acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, SCALE_LOG2,
-                              K, H, HV, SB, BS, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+    if ONE_LOOP:
+        for i in tl.range(0, count * SPB, warp_specialize=WARP_SPECIALIZE):
+            acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len,
+                                  whole * SPB, SCALE_LOG2, K, H, HV, SB, BS, True, BLOCK_N,
+                                  BLOCK_H, BLOCK_HV, PRECISION, True)
+    else:
+        for i in tl.range(0, whole * SPB, warp_specialize=WARP_SPECIALIZE):  # seen whole
+            acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, 0,
+                                  SCALE_LOG2, K, H, HV, SB, BS, False, BLOCK_N, BLOCK_H,
+                                  BLOCK_HV, PRECISION)
+        j = tl.load(blocks + tl.minimum(whole, SB - 1))
+        for i in range(whole * SPB, count * SPB):  # the diagonal and the length tail: masks
+            acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, 0,
+                                  SCALE_LOG2, K, H, HV, SB, BS, True, BLOCK_N, BLOCK_H,
+                                  BLOCK_HV, PRECISION)
 
     empty = (l == 0.0) | (toks >= q_len)
     safe_l = tl.where(empty, 1.0, l)
@@ -289,6 +329,7 @@ def _launch(q, k, v, blocks, count, whole, q_lengths, kv_lengths, *, scale, bloc
         BLOCK_HV=max(16, triton.next_power_of_2(hv)),
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8,
+        KV_HEAD_MAJOR=config.kv_head_major, ONE_LOOP=config.one_loop,
     )
 
 

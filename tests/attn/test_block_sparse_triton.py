@@ -7,6 +7,8 @@ blocks of 16 or 32 tokens with 16 x 16 steps (so a 32-token block is walked in t
 and two key steps); one case runs the seed's block of 128 with the default tiles in bf16.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,6 +102,26 @@ def test_flat_walk_steps_and_groups(walk, g):
     assert sees.any() and not sees.all()
 
 
+# The launch-order and one-loop knobs: the same walks, programs ordered KV head by KV head, the
+# masked steps (diagonal, length tail) in the whole-block loop behind a run-time branch.
+@pytest.mark.parametrize("walk", ["bs16-1step", "bs64-4steps-2tiles"])
+@pytest.mark.parametrize("order", ["kv_head_major", "one_loop", "both"])
+def test_order_and_one_loop_variants(walk, order):
+    bs, config = WALKS[walk]
+    flags = ("kv_head_major", "one_loop") if order == "both" else (order,)
+    config = dataclasses.replace(config, **dict.fromkeys(flags, True))
+    q, k, v, modes, bm, lens = _problem(rng(), b=2, t=77, s=131, n=6, kh=2, bs=bs,
+                                        q_lengths=[77, 50], kv_lengths=[131, 97])
+    opts = dict(block_size=bs, sink_blocks=1, local_blocks=2, **lens)
+    sees = _check(q, k, v, modes, bm, config=config, **opts)
+    assert sees.any() and not sees.all()
+    if order == "kv_head_major":  # only the program order differs: bit for bit
+        got = kernel.block_sparse_attention(q, k, v, modes, bm, config=config, **opts)
+        base = kernel.block_sparse_attention(q, k, v, modes, bm, config=WALKS[walk][1], **opts)
+        for x, y in zip(got, base):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_seed_block_128_bf16_default_config():
     gen = rng()
     q, k, v, modes, bm, lens = _problem(gen, b=1, t=200, s=300, n=2, kh=1, bs=128, h=32, hv=32,
@@ -186,7 +208,9 @@ def test_config_validation():
 # shared memory at H = 128, just under the H100's 227 KiB).
 GPU_CONFIGS = {"default": None, **{c: kernel.Config(**dict(zip(
     ("block_m", "block_n", "num_warps", "num_stages"), map(int, c.split("-")))))
-    for c in ("128-64-8-3", "128-64-8-4", "128-128-8-2", "128-32-8-4", "64-64-4-3")}}
+    for c in ("128-64-8-3", "128-64-8-4", "128-128-8-2", "128-32-8-4", "64-64-4-3")},
+    "kv-head-major-one-loop": kernel.Config(kv_head_major=True, one_loop=True),
+    "one-loop-ws": kernel.Config(one_loop=True, warp_specialize=True)}
 
 
 @pytest.mark.gpu
