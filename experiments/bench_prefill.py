@@ -336,11 +336,16 @@ ROWS = {"flash_prefill": flash_rows, "window_prefill": window_rows,
 
 def _config(text: str) -> dense_triton.Config:
     """`bm-bn-warps-stages`, then `-ws` for a warp-specialised unmasked key loop, `-wsall` for
-    every key loop warp-specialised, nothing for none."""
-    bm, bn, warps, stages, *ws = text.split("-")
+    every key loop warp-specialised, nothing for none; then `-flat` for one key loop a program
+    (`Config.flat_loop`; `-ws` / `-wsall` then specialise it)."""
+    bm, bn, warps, stages, *opts = text.split("-")
+    flat = opts[-1:] == ["flat"]
+    ws = opts[:-1] if flat else opts
+    if ws not in ([], ["ws"], ["wsall"]):
+        raise ValueError(f"config {text!r}: expected bm-bn-warps-stages[-ws|-wsall][-flat]")
     return dense_triton.Config(block_m=int(bm), block_n=int(bn), num_warps=int(warps),
                                num_stages=int(stages), warp_specialize=bool(ws),
-                               warp_specialize_masked=ws == ["wsall"])
+                               warp_specialize_masked=ws == ["wsall"], flat_loop=flat)
 
 
 def sweep_backward(args, ctx) -> None:
@@ -380,6 +385,7 @@ def sweep(args, ctx) -> None:
     for cfg in args.configs:
         name = f"{cfg.block_m}-{cfg.block_n}-{cfg.num_warps}-{cfg.num_stages}"
         name += "-wsall" if cfg.warp_specialize_masked else "-ws" if cfg.warp_specialize else ""
+        name += "-flat" if cfg.flat_loop else ""
         try:
             fn = _ours(cfg)
             out = fn(q, k, v)
@@ -446,7 +452,8 @@ def parse_args(argv=None, *, rows=None):
     parser.add_argument("--configs", type=lambda s: [_config(c) for c in s.split(",")],
                         default="128-64-8-3,128-64-8-2,128-64-8-4,128-128-8-2,128-128-8-3,"
                                 "128-32-8-4,64-64-4-3,256-64-16-2,128-64-4-3",
-                        help="sweep configs BLOCK_M-BLOCK_N-warps-stages, comma separated")
+                        help="sweep configs BLOCK_M-BLOCK_N-warps-stages[-ws|-wsall][-flat], "
+                             "comma separated")
     parser.add_argument("--sweep-bwd", action="store_true",
                         help="sweep the backward tiles (--bwd-configs) instead, write nothing")
     parser.add_argument("--bwd-configs", default="64-64-4-2,64-64-8-2,32-64-4-2,64-128-8-2,"
