@@ -1,13 +1,25 @@
 """Triton causal depthwise conv1d prefill (state in, state out, packed sequences).
 
-Three kernels:
+Three kernels (the main one in two variants, `Config.rows` picks):
 
-* `_conv_prefill_kernel`, grid `(cdiv(tokens, BLOCK_T), cdiv(C, BLOCK_C))`: one program computes a
-  `[BLOCK_T, BLOCK_C]` tile of `y` over the flattened token axis (`B · T` rows, or the packed row
-  with `cu_seqlens`). Tap j reads the tile shifted back by `W - 1 - j` tokens: the first of the W
-  loads brings the `W - 1` halo rows before the tile, the others hit L1 / L2, so DRAM sees each
-  input about once (memory-bound: `x` in, `y` out). A tap that reaches before its token's own
-  sequence start reads zero, so tiles may straddle sequence boundaries freely.
+* `_conv_prefill_kernel` (default), grid `(cdiv(tokens, BLOCK_T), cdiv(C, BLOCK_C))`: one program
+  computes a `[BLOCK_T, BLOCK_C]` tile of `y` over the flattened token axis (`B · T` rows, or the
+  packed row with `cu_seqlens`). Tap j reads the tile shifted back by `W - 1 - j` tokens: the
+  first of the W loads brings the `W - 1` halo rows before the tile, the others hit L1 / L2, so
+  DRAM sees each input about once (memory-bound: `x` in, `y` out). A tap that reaches before its
+  token's own sequence start reads zero, so tiles may straddle sequence boundaries freely.
+* `_conv_prefill_rows_kernel` (`Config(rows=True)`), same grid and contract: one program owns
+  `BLOCK_T` consecutive tokens x `BLOCK_C` channels and walks them row by row. It first issues
+  every load it needs, each a 1-D `[BLOCK_C]` row (the `W - 1` halo rows before the block, then
+  its `BLOCK_T` rows: all independent, all in flight before the first store), then for each row
+  computes `y[t] = sum_j w_j x[t - (W - 1 - j)]` from the rows held in registers (a tuple indexed
+  at compile time) and stores it. Each input row is loaded once per program (halo
+  `(W - 1) / BLOCK_T`), against W overlapping tile loads in the tile variant. The zero fill and
+  the float32 order of operations are the tile kernel's (taps j = 0..W-1, then the bias, then
+  SiLU; a tap before its token's sequence start contributes `+0.0 * w_j`), so `y` is bitwise the
+  tile kernel's and the state kernels are shared. Any W >= 2 (the tuple holds
+  `BLOCK_T + W - 1` rows: registers grow with `BLOCK_T x BLOCK_C / num_warps`; ptxas for sm_90
+  spills from 64 x 512 over 4 warps, 64 x 1024 over 8).
 * `_conv_state_fixup_kernel`, grid `(Ns, cdiv(C, BLOCK_C))`, only with an initial state:
   rewrites `y` of the first `W - 1` tokens of each sequence, whose taps reach into the state, so
   the main kernel reads no state (a run-time branch there for it measured ~1% slower on the
@@ -53,6 +65,11 @@ class Config:
     num_warps: int = 4
     # Store `y` with `evict_first` (streaming: y does not push the input's halo rows out of L2).
     stream_store: bool = True
+    # The row-walking main kernel (`_conv_prefill_rows_kernel`) instead of the tile kernel: same
+    # results bit for bit. Each program holds `BLOCK_T + W - 1` rows of `BLOCK_C / (32 *
+    # num_warps)` elements per thread in registers (e.g. 1024 channels over 4 warps: 16 bytes a
+    # row per lane, 35 rows at BLOCK_T = 32).
+    rows: bool = False
 
     def __post_init__(self):
         if self.block_t < 1 or self.block_t & (self.block_t - 1):
@@ -111,6 +128,84 @@ def _conv_prefill_kernel(
     tl.store(y_ptr + rows[:, None] + offs_c[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mask_t[:, None] & mask_c[None, :],
              eviction_policy="evict_first" if STREAM_STORE else "")
+
+
+@triton.jit
+def _conv_prefill_rows_kernel(
+    x_ptr,  # [N_TOK, C] flattened tokens
+    w_ptr,  # [C, W]
+    bias_ptr,  # [C] (a dummy unless HAS_BIAS)
+    seq_ptr,  # [N_TOK] int32 sequence of each token (a dummy unless VARLEN)
+    cu_ptr,  # [Ns + 1] int32 sequence starts (a dummy unless VARLEN)
+    y_ptr,  # [N_TOK, C]
+    N_TOK: tl.constexpr,
+    T_ROW: tl.constexpr,  # tokens per batch row without VARLEN
+    C: tl.constexpr,
+    W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    VARLEN: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    STREAM_STORE: tl.constexpr,
+):
+    """`_conv_prefill_kernel`'s tile, row by row from a register window (module docstring)."""
+    t0 = tl.program_id(0) * BLOCK_T
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    mask_c = offs_c < C
+    # Every load first, so that all rows are in flight before the first store (the compiler does
+    # not move a load above a store: it cannot tell that x and y do not alias).
+    # One base address; rows at compile-time offsets from it (immediates, not a 64-bit pointer
+    # per row).
+    x_base = x_ptr + t0.to(tl.int64) * C + offs_c
+    y_base = y_ptr + t0.to(tl.int64) * C + offs_c
+    xs = ()  # rows t0 - (W - 1) .. t0 + BLOCK_T - 1, x's dtype; xs[t + j] is tap j of row t
+    for i in tl.static_range(BLOCK_T + W - 1):
+        tok = t0 + (i - (W - 1))
+        xs = xs + (tl.load(x_base + (i - (W - 1)) * C,
+                           mask=mask_c & (tok >= 0) & (tok < N_TOK), other=0.0),)
+    pos = ()  # position of row t inside its own sequence (scalars)
+    for t in tl.static_range(BLOCK_T):
+        tok = t0 + t
+        if VARLEN:
+            seq = tl.load(seq_ptr + tok, mask=tok < N_TOK, other=0)
+            start = tl.load(cu_ptr + seq, mask=tok < N_TOK, other=0)
+        else:
+            start = tok // T_ROW * T_ROW
+        pos = pos + (tok - start,)
+    ws = ()
+    for j in tl.static_range(W):
+        ws = ws + (tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32),)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK_C,), tl.float32)  # unused
+    # Every tap through a select (the zero fill): a run-time branch to a select-free copy for
+    # blocks that hold no sequence start spilled at 16 x 1024 / 4 warps (ptxas for sm_90).
+    _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, N_TOK - t0, C, W, HAS_BIAS, SILU, BLOCK_T,
+                   BLOCK_C, STREAM_STORE, True)
+
+
+@triton.jit
+def _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, n_left, C: tl.constexpr, W: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_C: tl.constexpr, STREAM_STORE: tl.constexpr, ZERO_FILL: tl.constexpr):
+    """Rows `y[t0 + t]` of `_conv_prefill_rows_kernel` from its register window `xs`; with
+    `ZERO_FILL`, taps before their token's sequence start read 0 (the tile kernel's masked load)."""
+    for t in tl.static_range(BLOCK_T):
+        acc = tl.zeros((BLOCK_C,), tl.float32)
+        for j in tl.static_range(W):
+            back = W - 1 - j
+            xj = xs[t + j].to(tl.float32)
+            if ZERO_FILL and back > 0:
+                xj = tl.where(pos[t] >= back, xj, 0.0)
+            acc += xj * ws[j]
+        if HAS_BIAS:
+            acc += bias
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(y_base + t * C, acc.to(y_base.dtype.element_ty), mask=mask_c & (t < n_left),
+                 eviction_policy="evict_first" if STREAM_STORE else "")
 
 
 @triton.jit
@@ -255,7 +350,7 @@ def _forward(x, weight, bias, initial_state, cu_seqlens, *, activation, config):
     bias_arg = jnp.zeros((1,), jnp.float32) if bias is None else bias
     y = triton_call(
         xf, weight, bias_arg, seq, cu,
-        kernel=_conv_prefill_kernel,
+        kernel=_conv_prefill_rows_kernel if config.rows else _conv_prefill_kernel,
         out_shape=jax.ShapeDtypeStruct((n_tok, c), x.dtype),
         grid=(triton.cdiv(n_tok, block_t), triton.cdiv(c, block_c)),
         num_warps=config.num_warps,
