@@ -1,0 +1,123 @@
+"""The row-walking conv1d prefill kernel (`Config(rows=True)`): bitwise the tile kernel's `y` and
+final state, and the reference's within tolerance (interpreted on CPU, compiled on GPU).
+
+Every case uses a C that is not a multiple of BLOCK_C and a token count that is not a multiple of
+BLOCK_T (a masked last tile on both axes); varlen packs empty sequences and sequences shorter than
+W, so block windows straddle sequence starts at every tap distance.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn.conv1d import reference as ref
+from attn.conv1d import triton_prefill as prefill
+from tests.utils import assert_close, case_id, rng
+
+ref_conv = jax.jit(ref.causal_conv1d, static_argnames=("activation",))
+TILE = prefill.Config(block_t=8, block_c=16)
+ROWS = prefill.Config(block_t=8, block_c=16, rows=True)
+LENS = [2, 0, 1, 3, 0, 9, 5, 17]  # empty, shorter than W, block-crossing; 37 tokens in all
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view({4: np.uint32, 2: np.uint16}[x.dtype.itemsize])
+
+
+def _problem(gen, *, w, varlen, state, bias, dtype=jnp.bfloat16, c=40):
+    if varlen:
+        cu = np.concatenate([[0], np.cumsum(LENS)]).astype(np.int32)
+        b, t, ns = 1, int(cu[-1]), len(LENS)
+        cu = jnp.asarray(cu)
+    else:
+        b, t, ns, cu = 2, 13, 2, None
+    x = jnp.asarray(gen.standard_normal((b, t, c), np.float32), dtype)
+    weight = jnp.asarray(gen.standard_normal((c, w), np.float32) * 0.5, dtype)
+    bias_ = jnp.asarray(gen.standard_normal((c,), np.float32), dtype) if bias else None
+    h0 = jnp.asarray(gen.standard_normal((ns, c, w - 1), np.float32), dtype) if state else None
+    return x, weight, bias_, h0, cu
+
+
+def _run(config, x, weight, bias, h0, cu, act):
+    return prefill.causal_conv1d(x, weight, bias, initial_state=h0, activation=act,
+                                 cu_seqlens=cu, config=config)
+
+
+def _check(rows, tile, expected):
+    (y, final), (y_tile, final_tile), (exp_y, exp_final) = rows, tile, expected
+    assert y.shape == exp_y.shape and y.dtype == exp_y.dtype
+    np.testing.assert_array_equal(_bits(y), _bits(y_tile))
+    np.testing.assert_array_equal(_bits(final), _bits(final_tile))
+    assert_close(y, exp_y, dtype=y.dtype)
+    np.testing.assert_array_equal(_bits(final), _bits(exp_final))
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+@pytest.mark.parametrize("varlen", [False, True], ids=["B2-T13", "varlen"])
+@pytest.mark.parametrize("state", [False, True], ids=["zero-state", "state"])
+@pytest.mark.parametrize("bias,act", [(True, "silu"), (False, None), (True, None)],
+                         ids=["bias-silu", "plain", "bias"])
+def test_rows_kernel_is_the_tile_kernel_bitwise(w, varlen, state, bias, act):
+    gen = rng()
+    args = _problem(gen, w=w, varlen=varlen, state=state, bias=bias)
+    x, weight, b, h0, cu = args
+    expected = ref_conv(x, weight, b, initial_state=h0, activation=act, cu_seqlens=cu)
+    _check(_run(ROWS, *args, act), _run(TILE, *args, act), expected)
+
+
+@pytest.mark.parametrize("cfg", [dict(block_t=4, block_c=32), dict(block_t=16, block_c=16),
+                                 dict(block_t=2, block_c=64)],
+                         ids=lambda c: case_id(T=c["block_t"], C=c["block_c"]))
+def test_rows_kernel_block_shapes_f32(cfg):
+    """Blocks shorter than the W - 1 halo (2 rows at W4), longer than whole sequences, one channel
+    tile wider than C; float32 inputs, W4, varlen, state, bias, SiLU."""
+    gen = rng()
+    args = _problem(gen, w=4, varlen=True, state=True, bias=True, dtype=jnp.float32)
+    x, weight, b, h0, cu = args
+    expected = ref_conv(x, weight, b, initial_state=h0, activation="silu", cu_seqlens=cu)
+    _check(_run(prefill.Config(**cfg, rows=True), *args, "silu"),
+           _run(prefill.Config(**cfg), *args, "silu"), expected)
+
+
+def test_rows_kernel_nan_before_a_sequence_start_stays_out():
+    """A NaN in the last token of a sequence must not reach the next one's first W - 1 outputs
+    (the zero fill is a select, not a multiply by zero); bitwise the tile kernel's."""
+    gen = rng()
+    args = list(_problem(gen, w=4, varlen=True, state=False, bias=False, dtype=jnp.float32))
+    cu = np.asarray(args[4])
+    ends = cu[1:][np.diff(cu) > 0] - 1  # the last token of every non-empty sequence
+    args[0] = args[0].at[0, ends[:-1], :].set(jnp.nan)
+    y, _ = _run(ROWS, *args, None)
+    y_tile, _ = _run(TILE, *args, None)
+    np.testing.assert_array_equal(_bits(y), _bits(y_tile))
+    starts = np.setdiff1d(cu[:-1][np.diff(cu) > 0][1:], ends)  # one-token sequences hold a NaN
+    assert starts.size and np.isfinite(np.asarray(y)[0, starts]).all()
+    assert np.isnan(np.asarray(y)[0, ends[:-1]]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True], ids=["B1-T32K", "varlen"])
+@pytest.mark.parametrize("cfg", [dict(block_t=16, block_c=1024, num_warps=4),
+                                 dict(block_t=32, block_c=1024, num_warps=8)],
+                         ids=["16x1024w4", "32x1024w8"])
+def test_rows_kernel_compiled_is_the_tile_kernel_bitwise(varlen, cfg):
+    """T32K, C = 8192, W4, bf16, SiLU, initial state (varlen: four sequences, one shorter than
+    W - 1): the compiled row kernel's y is bitwise the compiled tile kernel's."""
+    gen = rng()
+    t, c = 32768, 8192
+    x = jnp.asarray(gen.standard_normal((1, t, c), np.float32), jnp.bfloat16)
+    weight = jnp.asarray(gen.standard_normal((c, 4), np.float32) * 0.5, jnp.bfloat16)
+    cu = jnp.asarray([0, 2, 1000, 20000, t], jnp.int32) if varlen else None
+    h0 = jnp.asarray(gen.standard_normal((4 if varlen else 1, c, 3), np.float32), jnp.bfloat16)
+
+    def run(config):
+        return jax.jit(lambda x, w: prefill.causal_conv1d(
+            x, w, initial_state=h0, activation="silu", cu_seqlens=cu, config=config))(x, weight)
+
+    rows = run(prefill.Config(**cfg, rows=True))
+    tile = run(prefill.Config())
+    expected = jax.jit(lambda x, w: ref.causal_conv1d(
+        x, w, initial_state=h0, activation="silu", cu_seqlens=cu))(x, weight)
+    _check(rows, tile, expected)
