@@ -4,7 +4,7 @@
     python -m experiments.sweep_prefill_kernels paged  [--configs 128-64-8-3,128-64-8-3-ws,...]
     python -m experiments.sweep_prefill_kernels sparse [--configs ...]
     python -m experiments.sweep_prefill_kernels xattn
-    python -m experiments.sweep_prefill_kernels conv1d [--configs 8-512-4-1,32-128-4,...]
+    python -m experiments.sweep_prefill_kernels conv1d [--configs 8-512-4-1,16-1024-4-1-rows,...]
 
 A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialised unmasked loop
 (block-sparse also `-kvh`: programs KV head by KV head, `-one`: one loop for every step).
@@ -14,7 +14,8 @@ A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialise
   our dense flash (the goal: <= 1.15 x density x dense).
 - xattn: the estimate at S64K and S128K (stride 16), bf16 and `Config(fp8=True)` variants.
 - conv1d: causal conv1d prefill, B1 T32K, C = 8192, W4, bf16, SiLU, an initial state, against
-  the copy bandwidth; a config is `block_t-block_c-warps[-stream_store]`.
+  the copy bandwidth; a config is `block_t-block_c-warps[-stream_store][-rows]`, `-rows` for
+  the row-walking kernel (`Config(rows=True)`; the others are the tile kernel).
 `--quick`: tiny shapes through the interpreter (for CI).
 """
 
@@ -155,9 +156,11 @@ def conv1d(configs, quick):
     print(f"copy ceiling {ceiling:.3f} TB/s; B1 T{t} C{c} W{w} bf16 silu state", flush=True)
     ref = None
     for text in configs:
-        bt, bc, warps, *stream = (int(v) for v in text.split("-"))
+        parts = text.split("-")
+        rows = parts[-1] == "rows"  # the row-walking kernel (`Config.rows`)
+        bt, bc, warps, *stream = (int(v) for v in parts[:len(parts) - rows])
         cfg = conv_triton.Config(block_t=bt, block_c=bc, num_warps=warps,
-                                 stream_store=bool(stream and stream[0]))
+                                 stream_store=bool(stream and stream[0]), rows=rows)
         fn = jax.jit(lambda x, wt, s, cfg=cfg: conv_triton.causal_conv1d(
             x, wt, initial_state=s, activation="silu", config=cfg)[0])
         try:
@@ -184,10 +187,12 @@ def main(argv=None) -> None:
     default = {"paged": "128-64-8-3,128-64-8-3-ws,128-128-8-3-ws,128-128-8-2",
                "sparse": "128-128-8-3,128-128-8-3-kvh,128-128-8-3-one,128-128-8-3-kvh-one,"
                          "128-128-8-3-ws-kvh-one,128-64-8-3-kvh-one",
-               "conv1d": "8-512-4-1,8-512-4-0,32-128-4-0,16-128-2-1,8-256-2-1,4-1024-4-1"}
+               "conv1d": "8-512-4-1,16-1024-4-1-rows,8-1024-4-1-rows,32-1024-8-1-rows,"
+                         "16-1024-8-1-rows,32-512-4-1-rows,16-2048-8-1-rows"}
     configs = (args.configs or default[args.kernel]).split(",")
     if args.quick:
-        configs = ["8-16-4-1", "16-16-2"] if args.kernel == "conv1d" else ["16-16-4-2"]
+        configs = (["8-16-4-1", "16-16-2", "8-16-4-1-rows"] if args.kernel == "conv1d"
+                   else ["16-16-4-2"])
     {"paged": paged, "sparse": sparse, "conv1d": conv1d}[args.kernel](configs, args.quick)
 
 
