@@ -7,7 +7,7 @@
     python -m experiments.sweep_prefill_kernels conv1d [--configs 8-512-4-1,16-1024-4-1-rows,...]
 
 A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialised unmasked loop
-(block-sparse also `-kvh`: programs KV head by KV head, `-one`: one loop for every step).
+(block-sparse also `-hf`: programs heads fastest, `-one`: one loop for every step).
 - paged: a 2K chunk over 8K and 32K prefixes, N32/K8/H128 bf16, pages of 64; anchor: our dense
   flash on a gathered copy (the `paged_prefill` row of `experiments.bench_prefill`).
 - sparse: N32/K8/H128 bf16, blocks of 128, S64K at density 0.1 and 1.0 and S128K at 0.1; anchor:
@@ -41,15 +41,16 @@ from experiments.bench_sparse_prefill import _paged_problem, _sparse_mask
 N, KH, H = 32, 8, 128
 
 
-# Config suffixes: `-ws` warp-specialised unmasked loop; block-sparse only: `-kvh` programs KV
-# head by KV head (`kv_head_major`), `-one` one loop for whole and masked steps (`one_loop`).
-_FLAGS = {"ws": "warp_specialize", "kvh": "kv_head_major", "one": "one_loop"}
+# Config suffixes: `-ws` warp-specialised unmasked loop; block-sparse only: `-hf` programs heads
+# fastest (`kv_head_major=False`), `-one` one loop for whole and masked steps (`one_loop`).
+_FLAGS = {"ws": ("warp_specialize", True), "hf": ("kv_head_major", False),
+          "one": ("one_loop", True)}
 
 
 def _parse(text: str, cls):
     parts = text.split("-")
     bm, bn, warps, stages = (int(x) for x in parts[:4])
-    flags = {_FLAGS[f]: True for f in parts[4:]}
+    flags = dict(_FLAGS[f] for f in parts[4:])
     return cls(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, **flags)
 
 
@@ -185,8 +186,8 @@ def main(argv=None) -> None:
     if args.kernel == "xattn":
         return xattn(args.quick)
     default = {"paged": "128-64-8-3,128-64-8-3-ws,128-128-8-3-ws,128-128-8-2",
-               "sparse": "128-128-8-3,128-128-8-3-kvh,128-128-8-3-one,128-128-8-3-kvh-one,"
-                         "128-128-8-3-ws-kvh-one,128-64-8-3-kvh-one",
+               "sparse": "128-128-8-3,128-128-8-3-hf,128-128-8-3-one,128-128-8-3-ws-one,"
+                         "128-128-8-3-ws,128-128-8-4",
                "conv1d": "8-512-4-1,16-1024-4-1-rows,8-1024-4-1-rows,32-1024-8-1-rows,"
                          "16-1024-8-1-rows,32-512-4-1-rows,16-2048-8-1-rows"}
     configs = (args.configs or default[args.kernel]).split(",")

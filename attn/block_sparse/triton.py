@@ -29,14 +29,18 @@ forward's (3 stages instead of 2). ptxas (sm_90a, H = 128, 128 x 64 tiles, 8 war
 197 registers, no spills, 128 KiB shared memory. `block_lists` builds the lists with one
 scatter (slots from a cumulative sum) instead of a stable argsort of each of the `B N Tb` rows
 (the same lists; at S = 128K that sort is over 32M entries, inside the timed call). None of this
-is timed yet: `experiments/bench_sparse_prefill.py` decides.
+was timed then (session 4 timed it: NOTES.md).
 
 Programs are per query head (the modes are per query head, so GQA siblings may walk different
-lists); the heads of a request vary fastest so the programs sharing a KV head run together and
-read its blocks from L2. Folding the `G` heads of a KV head into the query tile (as the dense
-kernel does) is not done: with `BLOCK_M` rows per program either way, a folded program covers
-`BLOCK_M / G` tokens of `G` heads, so the number of programs, the K / V tiles each loads and the
-FLOPs per loaded byte are the same; it only pays for short query tiles (decode-like shapes).
+lists), ordered KV head by KV head: the siblings of a KV head vary fastest, then the query tiles
+(longest lists first), then the requests. The programs in flight thus read one KV head's K / V
+(32 MB at S64K, H128 bf16: it stays in L2); ordered heads fastest, as before, they spread over
+all KV heads' K / V, and at 10% random masks the blocks came from DRAM (H100, S64K, density 0.1:
+8.64 -> 7.63 ms; S128K 34.6 -> 30.2 ms; density 1.0 unchanged; NOTES.md session 5). Folding
+the `G` heads of a KV head into the query tile (as the dense kernel does) is not done: with
+`BLOCK_M` rows per program either way, a folded program covers `BLOCK_M / G` tokens of `G` heads,
+so the number of programs, the K / V tiles each loads and the FLOPs per loaded byte are the same;
+it only pays for short query tiles (decode-like shapes).
 Query positions: `kv_len - q_len + t` (queries are the last `q_len` of `kv_len` keys); query rows
 past `q_len` give 0 / -inf.
 
@@ -77,10 +81,10 @@ class Config:
     # The unmasked (whole-block) loop warp-specialised (Triton's Hopper pass; >= 8 warps), as
     # the dense kernel's `Config.warp_specialize`.
     warp_specialize: bool = False
-    # Programs ordered KV head by KV head (siblings fastest) instead of heads fastest, so the
-    # K / V in flight is one KV head's (see the kernel).
-    kv_head_major: bool = False
-    # The whole-block and masked steps in one pipelined loop (a run-time branch for the mask).
+    # Programs ordered KV head by KV head (siblings fastest); False: heads fastest (the module
+    # docstring says why and what it measured).
+    kv_head_major: bool = True
+    # The whole-block and masked steps in one pipelined loop (every step compares and selects).
     one_loop: bool = False
 
     def __post_init__(self):
@@ -161,11 +165,10 @@ def _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, first_masked
               MASKED or MIXED, BLOCK_H != H)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
     if MIXED:
-        if i >= first_masked:
-            visible = (cols[None, :] <= pos[:, None]) & in_kv[None, :]
-            s = tl.where(visible, qk * SCALE_LOG2, float("-inf"))
-        else:
-            s = qk * SCALE_LOG2
+        # The rules as one compare against a per-row limit, lifted past every key on the steps
+        # before `first_masked` (a scalar `if` around the mask fails Triton 3.6's pipeliner).
+        lim = tl.minimum(pos, kv_len - 1) + tl.where(i < first_masked, 1 << 30, 0)  # [BLOCK_M]
+        s = tl.where(cols[None, :] <= lim[:, None], qk * SCALE_LOG2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
         p = tl.exp2(s - m_use[:, None])
@@ -268,9 +271,9 @@ def _block_sparse_kernel(
     # overlap inside a block). The block index is loaded one step ahead and carried: a load of it
     # in the step itself makes it a second-level indirect load, for which Triton's pipeliner
     # halves the K / V prefetch distance (seen in the sm_90 TTGIR at 3 stages).
-    # ONE_LOOP: both parts in one loop, the rules applied from step `whole * SPB` on by a
-    # run-time branch, so the diagonal's steps are pipelined with the rest instead of paying a
-    # loop prologue of their own (with 128-key steps the masked part is one step).
+    # ONE_LOOP: both parts in one loop, the rules applied from step `whole * SPB` on (every step
+    # pays a compare and a select per score instead), so the diagonal's steps are pipelined with
+    # the rest instead of paying a loop prologue of their own (at 128-key steps: one step).
     SPB: tl.constexpr = BS // BLOCK_N
     j = tl.load(blocks)
     if ONE_LOOP:

@@ -102,22 +102,26 @@ def test_flat_walk_steps_and_groups(walk, g):
     assert sees.any() and not sees.all()
 
 
-# The launch-order and one-loop knobs: the same walks, programs ordered KV head by KV head, the
-# masked steps (diagonal, length tail) in the whole-block loop behind a run-time branch.
+# The launch-order and one-loop knobs: the same walks with programs heads fastest (the default is
+# KV head by KV head), and with the masked steps (diagonal, length tail) in the whole-block loop.
+VARIANTS = {"heads-fastest": dict(kv_head_major=False), "one-loop": dict(one_loop=True),
+            "heads-fastest-one-loop": dict(kv_head_major=False, one_loop=True)}
+
+
 @pytest.mark.parametrize("walk", ["bs16-1step", "bs64-4steps-2tiles"])
-@pytest.mark.parametrize("order", ["kv_head_major", "one_loop", "both"])
-def test_order_and_one_loop_variants(walk, order):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_order_and_one_loop_variants(walk, variant):
     bs, config = WALKS[walk]
-    flags = ("kv_head_major", "one_loop") if order == "both" else (order,)
-    config = dataclasses.replace(config, **dict.fromkeys(flags, True))
+    assert config.kv_head_major and not config.one_loop  # the defaults
+    varied = dataclasses.replace(config, **VARIANTS[variant])
     q, k, v, modes, bm, lens = _problem(rng(), b=2, t=77, s=131, n=6, kh=2, bs=bs,
                                         q_lengths=[77, 50], kv_lengths=[131, 97])
     opts = dict(block_size=bs, sink_blocks=1, local_blocks=2, **lens)
-    sees = _check(q, k, v, modes, bm, config=config, **opts)
+    sees = _check(q, k, v, modes, bm, config=varied, **opts)
     assert sees.any() and not sees.all()
-    if order == "kv_head_major":  # only the program order differs: bit for bit
-        got = kernel.block_sparse_attention(q, k, v, modes, bm, config=config, **opts)
-        base = kernel.block_sparse_attention(q, k, v, modes, bm, config=WALKS[walk][1], **opts)
+    if variant == "heads-fastest":  # only the program order differs: bit for bit
+        got = kernel.block_sparse_attention(q, k, v, modes, bm, config=varied, **opts)
+        base = kernel.block_sparse_attention(q, k, v, modes, bm, config=config, **opts)
         for x, y in zip(got, base):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -209,7 +213,8 @@ def test_config_validation():
 GPU_CONFIGS = {"default": None, **{c: kernel.Config(**dict(zip(
     ("block_m", "block_n", "num_warps", "num_stages"), map(int, c.split("-")))))
     for c in ("128-64-8-3", "128-64-8-4", "128-128-8-2", "128-32-8-4", "64-64-4-3")},
-    "kv-head-major-one-loop": kernel.Config(kv_head_major=True, one_loop=True),
+    "heads-fastest": kernel.Config(kv_head_major=False),
+    "one-loop": kernel.Config(one_loop=True),
     "one-loop-ws": kernel.Config(one_loop=True, warp_specialize=True)}
 
 
