@@ -128,7 +128,12 @@ def xattn(quick):
                 ("bf16 k128 s2", C(block_k=128, num_stages=2)),
                 ("bf16 k128 s2 ws", C(block_k=128, num_stages=2, warp_specialize=True)),
                 ("fp8 k128 s3", C(fp8=True, block_k=128)),
-                ("fp8 k128 s3 ws", C(fp8=True, block_k=128, warp_specialize=True))]
+                ("fp8 k128 s3 ws", C(fp8=True, block_k=128, warp_specialize=True)),
+                # Wider tiles: more FLOPs per byte of the q / k slices read from L2.
+                ("fp8 128x256", C(fp8=True, block_k=128, block_c=256)),
+                ("fp8 256x128", C(fp8=True, block_k=128, block_r=256)),
+                ("fp8 128x256 s2", C(fp8=True, block_k=128, block_c=256, num_stages=2)),
+                ("fp8 k128 s4", C(fp8=True, block_k=128, num_stages=4))]
     for s in seqs:
         q, k, _ = _bench.qkv(s + 7, 1, s, n, kh, h)
         base = None
