@@ -273,7 +273,7 @@ def _fwd_visit_flat(
 
 
 @triton.jit
-def _flash_fwd_kernel(
+def _fwd_program(
     q_ptr,  # [B, T, N, H]
     k_ptr,  # [B, S, K, H]
     v_ptr,  # [B, S, K, HV]
@@ -298,10 +298,11 @@ def _flash_fwd_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,
-    WS_MASKED: tl.constexpr = False,
-    FLAT: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr,
+    WS_MASKED: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
+    """One program of the forward (`FLAT`: `_fwd_visit_flat`, else four `_fwd_visit` loops)."""
     # Heads vary fastest (programs in flight share K/V in L2); the last query tiles, which see
     # the most keys under a causal mask, start first so the short ones fill the tail.
     pid = tl.program_id(0)
@@ -371,6 +372,36 @@ def _flash_fwd_kernel(
     tl.store(o_ptr + q_rows[:, None] * HV + offs_hv[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (offs_hv < HV)[None, :])
     tl.store(lse_ptr + q_rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _flash_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, offset_ptr, len_ptr, window_ptr, sink_ptr, o_ptr, lse_ptr,
+    SCALE_LOG2: tl.constexpr, B: tl.constexpr, T: tl.constexpr, S: tl.constexpr,
+    K: tl.constexpr, G: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, CAUSAL: tl.constexpr,
+    NUM_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
+    WS_MASKED: tl.constexpr = False,
+):
+    """The forward as four key loops a program (arguments as `_fwd_program`)."""
+    _fwd_program(q_ptr, k_ptr, v_ptr, offset_ptr, len_ptr, window_ptr, sink_ptr, o_ptr, lse_ptr,
+                 SCALE_LOG2, B, T, S, K, G, H, HV, CAUSAL, NUM_M, BLOCK_M, BLOCK_N, BLOCK_H,
+                 BLOCK_HV, PRECISION, WARP_SPECIALIZE, WS_MASKED, False)
+
+
+@triton.jit
+def _flash_fwd_flat_kernel(
+    q_ptr, k_ptr, v_ptr, offset_ptr, len_ptr, window_ptr, sink_ptr, o_ptr, lse_ptr,
+    SCALE_LOG2: tl.constexpr, B: tl.constexpr, T: tl.constexpr, S: tl.constexpr,
+    K: tl.constexpr, G: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, CAUSAL: tl.constexpr,
+    NUM_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
+):
+    """The forward as one key loop a program (`Config.flat_loop`; arguments as
+    `_fwd_program`)."""
+    _fwd_program(q_ptr, k_ptr, v_ptr, offset_ptr, len_ptr, window_ptr, sink_ptr, o_ptr, lse_ptr,
+                 SCALE_LOG2, B, T, S, K, G, H, HV, CAUSAL, NUM_M, BLOCK_M, BLOCK_N, BLOCK_H,
+                 BLOCK_HV, PRECISION, WARP_SPECIALIZE, False, True)
 
 
 @triton.jit
@@ -670,9 +701,12 @@ def _forward(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, con
     dims = _shapes(q, k, v)
     b, t, n, _ = q.shape
     num_m = triton.cdiv(t * dims["G"], config.block_m)
+    ws = config.warp_specialize and config.num_warps >= 8
+    flags = (dict(WARP_SPECIALIZE=ws) if config.flat_loop else
+             dict(WARP_SPECIALIZE=ws, WS_MASKED=config.warp_specialize_masked and ws))
     return triton_call(
         q, k, v, q_offset, kv_lengths, window, sinks,
-        kernel=_flash_fwd_kernel,
+        kernel=_flash_fwd_flat_kernel if config.flat_loop else _flash_fwd_kernel,
         out_shape=(
             jax.ShapeDtypeStruct((b, t, n, dims["HV"]), q.dtype),
             jax.ShapeDtypeStruct((b, t, n), jnp.float32),
@@ -681,9 +715,7 @@ def _forward(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, con
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         SCALE_LOG2=scale * LOG2E, CAUSAL=causal, NUM_M=num_m, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8,
-        WS_MASKED=config.warp_specialize_masked and config.num_warps >= 8,
-        FLAT=config.flat_loop, **dims,
+        BLOCK_N=config.block_n, **flags, **dims,
     )
 
 

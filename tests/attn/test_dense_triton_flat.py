@@ -117,15 +117,17 @@ _AOT = textwrap.dedent("""
     from attn.dense import triton as kt
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-    kernel = kt._flash_fwd_kernel
-    names = kernel.arg_names
-    types = {n: "*i32" for n in names if n.startswith(("offset", "len", "window", "sink"))}
-    types |= {n: "*fp32" for n in names if n.startswith("lse")}
     for causal in (True, False):
         for flat in (False, True):
+            kernel = kt._flash_fwd_flat_kernel if flat else kt._flash_fwd_kernel
+            names = kernel.arg_names
+            types = {n: "*i32" for n in names if n.startswith(("offset", "len", "window", "sink"))}
+            types |= {n: "*fp32" for n in names if n.startswith("lse")}
             consts = dict(B=1, T=8192, S=8192, K=8, G=4, H=128, HV=128, BLOCK_H=128,
                           BLOCK_HV=128, PRECISION="tf32", CAUSAL=causal, SCALE_LOG2=0.13,
-                          NUM_M=256, BLOCK_M=128, BLOCK_N=128, WARP_SPECIALIZE=True, FLAT=flat)
+                          NUM_M=256, BLOCK_M=128, BLOCK_N=128, WARP_SPECIALIZE=True)
+            consts |= {} if flat else dict(WS_MASKED=False)
+            assert set(names) - set(consts) == set(types) | {"q_ptr", "k_ptr", "v_ptr", "o_ptr"}
             sig = {n: "constexpr" if n in consts else types.get(n, "*bf16") for n in names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                      if n not in consts}
