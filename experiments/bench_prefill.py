@@ -380,7 +380,7 @@ def sweep(args, ctx) -> None:
     ws = args.sweep_window_seq
     wq, wk, wv = _bench.qkv(1, 1, ws, n, kh, h)
     wflops = 4 * n * h * _window_pairs(ws, args.window, args.sink)
-    print(f"{'config':16} {'causal ms':>10} {'TFLOP/s':>8} {'vs cuDNN':>8} {'err':>8}"
+    print(f"{'config':20} {'causal ms':>10} {'TFLOP/s':>8} {'vs cuDNN':>8} {'err':>8}"
           f" {'window ms':>10} {'TFLOP/s':>8}", flush=True)
     for cfg in args.configs:
         name = f"{cfg.block_m}-{cfg.block_n}-{cfg.num_warps}-{cfg.num_stages}"
@@ -393,11 +393,11 @@ def sweep(args, ctx) -> None:
             wfn = _ours(cfg, window=args.window, sinks=args.sink)
             wms = ctx.time(wfn, wq, wk, wv)
         except Exception as e:  # e.g. out of shared memory: report and go on
-            print(f"{name:16} failed: {_first_line(e)[:100]}", flush=True)
+            print(f"{name:20} failed: {_first_line(e)[:100]}", flush=True)
             continue
         ratio = f"{anchor_ms / ms:8.3f}" if anchor_ms else " " * 8
         err = f"{_bench.rel_err(out, anchor_out):8.1e}" if anchor_out is not None else " " * 8
-        print(f"{name:16} {ms:10.4f} {flops / ms / 1e9:8.1f} {ratio} {err} {wms:10.4f} "
+        print(f"{name:20} {ms:10.4f} {flops / ms / 1e9:8.1f} {ratio} {err} {wms:10.4f} "
               f"{wflops / wms / 1e9:8.1f}", flush=True)
 
 
