@@ -14,8 +14,9 @@ A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialise
   our dense flash (the goal: <= 1.15 x density x dense).
 - xattn: the estimate at S64K and S128K (stride 16), bf16 and `Config(fp8=True)` variants.
 - conv1d: causal conv1d prefill, B1 T32K, C = 8192, W4, bf16, SiLU, an initial state, against
-  the copy bandwidth; a config is `block_t-block_c-warps[-stream_store][-rows]`, `-rows` for
-  the row-walking kernel (`Config(rows=True)`; the others are the tile kernel).
+  the copy bandwidth; a config is `block_t-block_c-warps[-stream_store][-rows[-split]]`, `-rows`
+  for the row-walking kernel (`Config(rows=True)`; the others are the tile kernel), `-split` for
+  its select-free path for blocks without a sequence start (`rows_split=True`).
 `--quick`: tiny shapes through the interpreter (for CI).
 """
 
@@ -163,10 +164,11 @@ def conv1d(configs, quick):
     ref = None
     for text in configs:
         parts = text.split("-")
-        rows = parts[-1] == "rows"  # the row-walking kernel (`Config.rows`)
-        bt, bc, warps, *stream = (int(v) for v in parts[:len(parts) - rows])
+        flags = [p for p in parts if p in ("rows", "split")]  # `Config.rows`, `.rows_split`
+        bt, bc, warps, *stream = (int(v) for v in parts if v not in flags)
         cfg = conv_triton.Config(block_t=bt, block_c=bc, num_warps=warps,
-                                 stream_store=bool(stream and stream[0]), rows=rows)
+                                 stream_store=bool(stream and stream[0]), rows="rows" in flags,
+                                 rows_split="split" in flags)
         fn = jax.jit(lambda x, wt, s, cfg=cfg: conv_triton.causal_conv1d(
             x, wt, initial_state=s, activation="silu", config=cfg)[0])
         try:
@@ -193,12 +195,12 @@ def main(argv=None) -> None:
     default = {"paged": "128-64-8-3,128-64-8-3-ws,128-128-8-3-ws,128-128-8-2",
                "sparse": "128-128-8-3,128-128-8-3-hf,128-128-8-3-one,128-128-8-3-ws-one,"
                          "128-128-8-3-ws,128-128-8-4",
-               "conv1d": "8-512-4-1,16-1024-4-1-rows,8-1024-4-1-rows,32-1024-8-1-rows,"
-                         "16-1024-8-1-rows,32-512-4-1-rows,16-2048-8-1-rows"}
+               "conv1d": "8-512-4-1,16-1024-4-1-rows,32-1024-8-1-rows,32-512-4-1-rows,"
+                         "16-1024-4-1-rows-split,16-1024-8-1-rows-split,8-1024-4-1-rows-split"}
     configs = (args.configs or default[args.kernel]).split(",")
     if args.quick:
-        configs = (["8-16-4-1", "16-16-2", "8-16-4-1-rows"] if args.kernel == "conv1d"
-                   else ["16-16-4-2"])
+        configs = (["8-16-4-1", "16-16-2", "8-16-4-1-rows", "8-16-4-1-rows-split"]
+                   if args.kernel == "conv1d" else ["16-16-4-2"])
     {"paged": paged, "sparse": sparse, "conv1d": conv1d}[args.kernel](configs, args.quick)
 
 

@@ -70,6 +70,10 @@ class Config:
     # num_warps)` elements per thread in registers (e.g. 1024 channels over 4 warps: 16 bytes a
     # row per lane, 35 rows at BLOCK_T = 32).
     rows: bool = False
+    # Rows kernel only: blocks that hold no sequence start (nearly all) skip the zero-fill selects
+    # (3 of ~26 instructions an element at W4 with SiLU) through a run-time branch to a second
+    # copy of the row loop (more registers: ptxas for sm_90 spills at 16 x 1024 over 4 warps).
+    rows_split: bool = False
 
     def __post_init__(self):
         if self.block_t < 1 or self.block_t & (self.block_t - 1):
@@ -148,6 +152,7 @@ def _conv_prefill_rows_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     STREAM_STORE: tl.constexpr,
+    SPLIT: tl.constexpr,  # a select-free path for blocks without a sequence start
 ):
     """`_conv_prefill_kernel`'s tile, row by row from a register window (module docstring)."""
     t0 = tl.program_id(0) * BLOCK_T
@@ -180,10 +185,24 @@ def _conv_prefill_rows_kernel(
         bias = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
     else:
         bias = tl.zeros((BLOCK_C,), tl.float32)  # unused
-    # Every tap through a select (the zero fill): a run-time branch to a select-free copy for
-    # blocks that hold no sequence start spilled at 16 x 1024 / 4 warps (ptxas for sm_90).
-    _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, N_TOK - t0, C, W, HAS_BIAS, SILU, BLOCK_T,
-                   BLOCK_C, STREAM_STORE, True)
+    if SPLIT:
+        # No sequence starts after the block's first halo row (the last row's sequence began at
+        # or before it): no tap needs the zero fill, a select-free copy of the rows runs. Every
+        # block but a row's first without VARLEN. Two copies of the code: more registers.
+        last = tl.minimum(t0 + BLOCK_T, N_TOK) - 1
+        if VARLEN:
+            start_last = tl.load(cu_ptr + tl.load(seq_ptr + last))
+        else:
+            start_last = last // T_ROW * T_ROW
+        if start_last <= t0 - (W - 1):
+            _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, N_TOK - t0, C, W, HAS_BIAS, SILU,
+                           BLOCK_T, BLOCK_C, STREAM_STORE, False)
+        else:
+            _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, N_TOK - t0, C, W, HAS_BIAS, SILU,
+                           BLOCK_T, BLOCK_C, STREAM_STORE, True)
+    else:  # every tap through a select (the zero fill)
+        _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, N_TOK - t0, C, W, HAS_BIAS, SILU,
+                       BLOCK_T, BLOCK_C, STREAM_STORE, True)
 
 
 @triton.jit
@@ -356,7 +375,7 @@ def _forward(x, weight, bias, initial_state, cu_seqlens, *, activation, config):
         num_warps=config.num_warps,
         N_TOK=n_tok, T_ROW=t, C=c, W=w, HAS_BIAS=bias is not None, VARLEN=cu_seqlens is not None,
         SILU=activation == "silu", BLOCK_T=block_t, BLOCK_C=block_c,
-        STREAM_STORE=config.stream_store,
+        STREAM_STORE=config.stream_store, **(dict(SPLIT=config.rows_split) if config.rows else {}),
     )
     if has_state:
         y = triton_call(

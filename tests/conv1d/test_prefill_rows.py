@@ -1,5 +1,7 @@
-"""The row-walking conv1d prefill kernel (`Config(rows=True)`): bitwise the tile kernel's `y` and
-final state, and the reference's within tolerance (interpreted on CPU, compiled on GPU).
+"""The row-walking conv1d prefill kernel (`Config(rows=True)`, with and without `rows_split`):
+bitwise the tile kernel's `y` and final state, and the reference's within tolerance (interpreted
+on CPU, compiled on GPU). With `rows_split` the B2-T13 and varlen problems below have blocks on
+both paths (blocks of 8 tokens: [16, 24) of B2-T13 and [32, 38) of varlen hold no start).
 
 Every case uses a C that is not a multiple of BLOCK_C and a token count that is not a multiple of
 BLOCK_T (a masked last tile on both axes); varlen packs empty sequences and sequences shorter than
@@ -18,7 +20,10 @@ from tests.utils import assert_close, case_id, rng
 ref_conv = jax.jit(ref.causal_conv1d, static_argnames=("activation",))
 TILE = prefill.Config(block_t=8, block_c=16)
 ROWS = prefill.Config(block_t=8, block_c=16, rows=True)
-LENS = [2, 0, 1, 3, 0, 9, 5, 17]  # empty, shorter than W, block-crossing; 37 tokens in all
+SPLIT = prefill.Config(block_t=8, block_c=16, rows=True, rows_split=True)
+# Empty, shorter than W, block-crossing; 38 tokens in all. Sequence starts at 16 (a block's first
+# row: that block needs the zero fill, though its last row's sequence began at or before it) and 25.
+LENS = [2, 0, 1, 3, 0, 10, 9, 13]
 
 
 def _bits(x):
@@ -45,8 +50,10 @@ def _run(config, x, weight, bias, h0, cu, act):
                                  cu_seqlens=cu, config=config)
 
 
-def _check(rows, tile, expected):
+def _check(rows, tile, expected, split=None):
     (y, final), (y_tile, final_tile), (exp_y, exp_final) = rows, tile, expected
+    if split is not None:
+        np.testing.assert_array_equal(_bits(split[0]), _bits(y_tile))
     assert y.shape == exp_y.shape and y.dtype == exp_y.dtype
     np.testing.assert_array_equal(_bits(y), _bits(y_tile))
     np.testing.assert_array_equal(_bits(final), _bits(final_tile))
@@ -64,7 +71,7 @@ def test_rows_kernel_is_the_tile_kernel_bitwise(w, varlen, state, bias, act):
     args = _problem(gen, w=w, varlen=varlen, state=state, bias=bias)
     x, weight, b, h0, cu = args
     expected = ref_conv(x, weight, b, initial_state=h0, activation=act, cu_seqlens=cu)
-    _check(_run(ROWS, *args, act), _run(TILE, *args, act), expected)
+    _check(_run(ROWS, *args, act), _run(TILE, *args, act), expected, _run(SPLIT, *args, act))
 
 
 @pytest.mark.parametrize("cfg", [dict(block_t=4, block_c=32), dict(block_t=16, block_c=16),
@@ -78,7 +85,8 @@ def test_rows_kernel_block_shapes_f32(cfg):
     x, weight, b, h0, cu = args
     expected = ref_conv(x, weight, b, initial_state=h0, activation="silu", cu_seqlens=cu)
     _check(_run(prefill.Config(**cfg, rows=True), *args, "silu"),
-           _run(prefill.Config(**cfg), *args, "silu"), expected)
+           _run(prefill.Config(**cfg), *args, "silu"), expected,
+           _run(prefill.Config(**cfg, rows=True, rows_split=True), *args, "silu"))
 
 
 def test_rows_kernel_nan_before_a_sequence_start_stays_out():
@@ -92,6 +100,7 @@ def test_rows_kernel_nan_before_a_sequence_start_stays_out():
     y, _ = _run(ROWS, *args, None)
     y_tile, _ = _run(TILE, *args, None)
     np.testing.assert_array_equal(_bits(y), _bits(y_tile))
+    np.testing.assert_array_equal(_bits(_run(SPLIT, *args, None)[0]), _bits(y_tile))
     starts = np.setdiff1d(cu[:-1][np.diff(cu) > 0][1:], ends)  # one-token sequences hold a NaN
     assert starts.size and np.isfinite(np.asarray(y)[0, starts]).all()
     assert np.isnan(np.asarray(y)[0, ends[:-1]]).all()
@@ -100,8 +109,9 @@ def test_rows_kernel_nan_before_a_sequence_start_stays_out():
 @pytest.mark.gpu
 @pytest.mark.parametrize("varlen", [False, True], ids=["B1-T32K", "varlen"])
 @pytest.mark.parametrize("cfg", [dict(block_t=16, block_c=1024, num_warps=4),
-                                 dict(block_t=32, block_c=1024, num_warps=8)],
-                         ids=["16x1024w4", "32x1024w8"])
+                                 dict(block_t=32, block_c=1024, num_warps=8),
+                                 dict(block_t=16, block_c=1024, num_warps=8, rows_split=True)],
+                         ids=["16x1024w4", "32x1024w8", "16x1024w8-split"])
 def test_rows_kernel_compiled_is_the_tile_kernel_bitwise(varlen, cfg):
     """T32K, C = 8192, W4, bf16, SiLU, initial state (varlen: four sequences, one shorter than
     W - 1): the compiled row kernel's y is bitwise the compiled tile kernel's."""
