@@ -108,8 +108,33 @@ class Config:
     # (the largest intermediate, written and read once each) and V_new never reach HBM. The
     # output's dots follow `out_bf16`; they sit off the sequential S chain but in its loop.
     fuse_output: bool = False
+    # Session-5 options (default off; byte / latency arithmetic in the comment above
+    # `default_config`). `state_prefetch`: the state kernel's chunk loop with every global load
+    # of a step issued together at its top, not each right before its dot. Same arithmetic in
+    # the same order. Triton already software-pipelines the loop's loads a chunk ahead (async
+    # copies to shared memory; `num_stages` / `state_stages` deep), so expect ~no change.
+    state_prefetch: bool = False
+    # State grid `(slices, Nv, Ns)`, not `(Ns, Nv, slices)`: the value slices of one head (which
+    # read the same W, K, Q, P) and the two heads of a key head launch next to one another, so
+    # their re-reads hit L2 (with Ns >= 2 the slices otherwise launch ~a wave apart).
+    state_slice_major: bool = False
+    # Intra grid `(Nv, chunks)`: the value heads of a chunk launch together (k / q read once
+    # from HBM per key head, the W / U / P rows of a chunk written together). Chunks <= 65535.
+    intra_head_major: bool = False
+    # With `fuse_output`: the state kernel computes P = (Q Kᵀ) ⊙ L itself from the Q and K tiles
+    # it loads anyway (one more [C, H] x [H, C] dot per step and value slice, off the S chain);
+    # the intra kernel neither reads q nor writes P.
+    qk_in_state: bool = False
+    # With `fuse_output`, `store_kn` and l2-norm: the intra kernel also writes the queries
+    # normalised and scaled (v's dtype, after the keys in the same buffer), and the state kernel
+    # puts them into its dots as loaded, instead of re-normalising Q ([C, H] float32: cast,
+    # square, row sum, rsqrt, scale) on every chunk step of every value slice.
+    store_qn: bool = False
 
     def __post_init__(self):
+        for name in ("qk_in_state", "store_qn"):
+            if getattr(self, name) and not self.fuse_output:
+                raise ValueError(f"{name} needs fuse_output")
         if self.solve not in SOLVES:
             raise ValueError(f"solve={self.solve!r} must be one of {SOLVES}")
         for name in ("block_hv_state", "block_hv_out"):
@@ -256,7 +281,8 @@ def _intra_kernel(
     gcum_ptr,  # [N_TOK, NV] float32, out
     w_ptr,  # [N_TOK, NV, H], out
     u_ptr,  # [N_TOK, NV, HV], out
-    kn_ptr,  # [N_TOK, NK, H] the l2-normalised keys, out if STORE_KN (else a dummy)
+    kn_ptr,  # [N_TOK, NK, H] the l2-normalised keys, out if STORE_KN (else a dummy); with
+    # STORE_QN [2 N_TOK, NK, H], the normalised and scaled queries after the keys (QN_OFF)
     p_ptr,  # [N_TOK, NV, BT] P = (Q Kᵀ) ⊙ L (causal, diagonal included), out if FUSE
     SCALE: tl.constexpr,
     EPS: tl.constexpr,
@@ -277,10 +303,17 @@ def _intra_kernel(
     OUT_LP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr = False,
+    STORE_QN: tl.constexpr = False,
+    QN_OFF: tl.constexpr = 0,
 ):
     tl.static_assert(BT == 64 and (SUB == 16 or SUB == 4))  # merges by fours rely on N⁴ = 0
-    ci = tl.program_id(0)
-    head = tl.program_id(1)
+    if HEAD_MAJOR:  # grid (Nv, chunks): a chunk's value heads (a key head's pair) side by side
+        ci = tl.program_id(1)
+        head = tl.program_id(0)
+    else:
+        ci = tl.program_id(0)
+        head = tl.program_id(1)
     kh = head // (NV // NK)
     start = tl.load(cstart_ptr + ci)
     n = tl.load(clen_ptr + ci)
@@ -299,6 +332,10 @@ def _intra_kernel(
     if STORE_KN:  # by the first value head of each key head
         _store_rows(kn_ptr, start, r, I32, valid & (head % (NV // NK) == 0), kh, offs_h, mask_h,
                     k, NK, H)
+    if STORE_QN:
+        qs = _load_keys(q_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
+        _store_rows(kn_ptr + QN_OFF, start, r, I32, valid & (head % (NV // NK) == 0), kh, offs_h,
+                    mask_h, qs * SCALE, NK, H)
 
     # A = StrictLower((β K Kᵀ) ⊙ L), [BT, BT]; the mask comes before the exp (no overflow).
     lower = r[:, None] > r[None, :]
@@ -333,6 +370,134 @@ def _intra_kernel(
 
 
 @triton.jit
+def _state_chunk(c, seq, first, cstart_ptr, clen_ptr, T_ROW: tl.constexpr, BT: tl.constexpr):
+    """First token and length of chunk `c` of the program's sequence (`_state_kernel`'s)."""
+    if T_ROW:
+        start = seq * T_ROW + c * BT
+        n = tl.minimum(T_ROW - c * BT, BT)
+    else:
+        start = tl.load(cstart_ptr + first + c)
+        n = tl.load(clen_ptr + first + c)
+    return start, n
+
+
+@triton.jit
+def _rows(ptr, start, n, r, I32: tl.constexpr, head, offs, mask, NH: tl.constexpr,
+          D: tl.constexpr):
+    """Rows `start + r` (`r < n`) of head `head` of a token-major `[N_TOK, NH, D]` tensor, as
+    stored (zeros elsewhere)."""
+    return tl.load(_tile(ptr, start, r, I32, head, offs, NH, D),
+                   mask=(r < n)[:, None] & mask[None, :], other=0.0)
+
+
+@triton.jit
+def _gates(gcum_ptr, start, n, r, I32: tl.constexpr, head, NV: tl.constexpr):
+    """G `[BT]` and G_C (the chunk's last) of one chunk of n >= 1 tokens."""
+    gc = tl.load(_col(gcum_ptr, start, r, I32, head, NV), mask=r < n, other=0.0)
+    g_last = tl.load(gcum_ptr + (start + n - 1).to(tl.int64) * NV + head)
+    return gc, g_last
+
+
+@triton.jit
+def _state_tiles(k_ptr, w_ptr, u_ptr, gcum_ptr, q_ptr, p_ptr, start, n, r, I32: tl.constexpr,
+                 head, kh, offs_h, mask_h, offs_v, mask_v, FUSE: tl.constexpr, QK: tl.constexpr,
+                 NK: tl.constexpr, NV: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+                 BT: tl.constexpr):
+    """Every global load of one chunk step, issued together and kept as stored (no casts: the
+    step converts them), so their latencies overlap one another. `q` / `pm` are `[1, 1]` zeros
+    when the step does not read them."""
+    w = _rows(w_ptr, start, n, r, I32, head, offs_h, mask_h, NV, H)  # [BT, BLOCK_H]
+    u = _rows(u_ptr, start, n, r, I32, head, offs_v, mask_v, NV, HV)  # [BT, BLOCK_HV]
+    k = _rows(k_ptr, start, n, r, I32, kh, offs_h, mask_h, NK, H)
+    gc, g_last = _gates(gcum_ptr, start, n, r, I32, head, NV)
+    q = tl.zeros((1, 1), tl.float32)  # placeholders
+    pm = tl.zeros((1, 1), tl.float32)
+    if FUSE:
+        q = _rows(q_ptr, start, n, r, I32, kh, offs_h, mask_h, NK, H)
+        if not QK:
+            pm = _rows(p_ptr, start, n, r, I32, head, r, r < BT, NV, BT)
+    return w, u, k, gc, g_last, q, pm
+
+
+@triton.jit
+def _finish_keys(k, EPS: tl.constexpr, L2NORM: tl.constexpr):
+    """`_load_keys`'s float32 cast and l2-norm on keys loaded raw."""
+    k = k.to(tl.float32)
+    if L2NORM:
+        k = k * tl.math.rsqrt(tl.sum(k * k, axis=1) + EPS)[:, None]
+    return k
+
+
+@triton.jit
+def _state_step(s, w, u, k, gc, g_last, q, pm, start, n, ci, r, I32: tl.constexpr, head,
+                offs_v, mask_v, tile, mask, hbuf_ptr, vnew_ptr, o_ptr, EPS: tl.constexpr,
+                L2NORM: tl.constexpr, F32: tl.constexpr, DECAY_V: tl.constexpr,
+                FUSE: tl.constexpr, OUT_LP: tl.constexpr, QNORM: tl.constexpr,
+                SCALE: tl.constexpr, QK: tl.constexpr, NV: tl.constexpr, H: tl.constexpr,
+                HV: tl.constexpr, BT: tl.constexpr, QRAW: tl.constexpr):
+    """One chunk of `_state_kernel`'s loop on tiles `_state_tiles` loaded: the same arithmetic
+    in the same order; returns the state leaving the chunk."""
+    valid = r < n
+    if not FUSE:
+        tl.store(hbuf_ptr + (ci.to(tl.int64) * NV + head) * (H * HV) + tile,
+                 s.to(hbuf_ptr.dtype.element_ty), mask=mask)
+    v_new = u.to(tl.float32) - _dot_lp(w, s, F32)  # [BT, BLOCK_HV]
+    if not FUSE:
+        _store_rows(vnew_ptr, start, r, I32, valid, head, offs_v, mask_v, v_new, NV, HV)
+    if not F32:
+        v_new = v_new.to(w.dtype).to(tl.float32)  # what the output reads
+    # Keys stored normalised (bf16) go into the dots as loaded when nothing scales them.
+    if not (DECAY_V and not (L2NORM or F32)):
+        k = _finish_keys(k, EPS, L2NORM)
+    if FUSE:  # O = (Q ⊙ exp(G)) S + P V_new for this chunk and value tile (off the S chain)
+        if QRAW:  # stored normalised and scaled by the intra kernel: into the dots as loaded
+            qf = q
+        else:
+            qf = _finish_keys(q, EPS, QNORM) * SCALE
+        if OUT_LP:
+            o = _sdot(qf, s, F32, OUT_LP) * tl.exp(gc)[:, None]
+        else:
+            o = _sdot(qf * tl.exp(gc)[:, None], s, F32, OUT_LP)
+        if QK:  # P = (Q Kᵀ) ⊙ L here, as the intra kernel would have stored it
+            causal = r[:, None] >= r[None, :]
+            pdecay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
+            pf = tl.where(causal, _sdot(qf, tl.trans(k), F32, OUT_LP) * pdecay, 0.0)
+            if not F32:
+                pf = pf.to(w.dtype)
+        else:
+            pf = pm
+        o += _sdot(pf, v_new, F32, OUT_LP)
+        _store_rows(o_ptr, start, r, I32, valid, head, offs_v, mask_v, o, NV, HV)
+    if DECAY_V:  # the decay on V_new's [BT, BLOCK_HV] rows (fla's), not on K's [BT, BLOCK_H]
+        v_new = v_new * tl.exp(g_last - gc)[:, None]
+    else:
+        k = k * tl.exp(g_last - gc)[:, None]
+    return s * tl.exp(g_last) + _dot_lp(tl.trans(k), v_new, F32)
+
+
+@triton.jit
+def _state_loop(s, k_ptr, w_ptr, u_ptr, gcum_ptr, cstart_ptr, clen_ptr, q_ptr, p_ptr, hbuf_ptr,
+                vnew_ptr, o_ptr, seq, head, kh, first, count, r, offs_h, mask_h, offs_v, mask_v,
+                tile, mask, EPS: tl.constexpr, L2NORM: tl.constexpr, F32: tl.constexpr,
+                I32: tl.constexpr, T_ROW: tl.constexpr, DECAY_V: tl.constexpr,
+                FUSE: tl.constexpr, OUT_LP: tl.constexpr, QNORM: tl.constexpr,
+                SCALE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, H: tl.constexpr,
+                HV: tl.constexpr, BT: tl.constexpr, QK: tl.constexpr, QRAW: tl.constexpr):
+    """`_state_kernel`'s chunk loop with each step's loads issued together at its top
+    (`Config.state_prefetch`, and `qk_in_state`). Triton software-pipelines them either way
+    (async copies a chunk ahead, given jax-triton's 16-byte-aligned pointers)."""
+    for c in range(0, count):
+        start, n = _state_chunk(c, seq, first, cstart_ptr, clen_ptr, T_ROW, BT)
+        w, u, k, gc, g_last, q, pm = _state_tiles(
+            k_ptr, w_ptr, u_ptr, gcum_ptr, q_ptr, p_ptr, start, n, r, I32, head, kh, offs_h,
+            mask_h, offs_v, mask_v, FUSE, QK, NK, NV, H, HV, BT)
+        s = _state_step(s, w, u, k, gc, g_last, q, pm, start, n, first + c, r, I32, head, offs_v,
+                        mask_v, tile, mask, hbuf_ptr, vnew_ptr, o_ptr, EPS, L2NORM, F32, DECAY_V,
+                        FUSE, OUT_LP, QNORM, SCALE, QK, NV, H, HV, BT, QRAW)
+    return s
+
+
+@triton.jit
 def _state_kernel(
     k_ptr,  # [N_TOK, NK, H]
     w_ptr,  # [N_TOK, NV, H]
@@ -343,8 +508,8 @@ def _state_kernel(
     sfirst_ptr,  # [NS] int32 first chunk of each sequence
     scount_ptr,  # [NS] int32 chunks of each sequence
     h0_ptr,  # [NS, NV, H, HV] float32 (a dummy unless HAS_INIT)
-    q_ptr,  # [N_TOK, NK, H] (read if FUSE)
-    p_ptr,  # [N_TOK, NV, BT] the intra kernel's P (read if FUSE)
+    q_ptr,  # [N_TOK, NK, H] (read if FUSE); with QRAW normalised and scaled, at Q_OFF
+    p_ptr,  # [N_TOK, NV, BT] the intra kernel's P (read if FUSE and not QK)
     hbuf_ptr,  # [NC, NV, H, HV] state entering each chunk, out (unless FUSE)
     vnew_ptr,  # [N_TOK, NV, HV] V_new = U − W S, out (unless FUSE)
     final_ptr,  # [NS, NV, H, HV] float32, out
@@ -367,12 +532,22 @@ def _state_kernel(
     BT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
+    SLICE_MAJOR: tl.constexpr = False,
+    QK: tl.constexpr = False,
+    QRAW: tl.constexpr = False,
+    Q_OFF: tl.constexpr = 0,
 ):
-    seq = tl.program_id(0)
+    if SLICE_MAJOR:  # grid (slices, Nv, Ns): a head's value slices launch side by side
+        seq = tl.program_id(2)
+        vslice = tl.program_id(0)
+    else:
+        seq = tl.program_id(0)
+        vslice = tl.program_id(2)
     head = tl.program_id(1)
     kh = head // (NV // NK)
     offs_h = tl.arange(0, BLOCK_H)
-    offs_v = tl.program_id(2) * BLOCK_HV + tl.arange(0, BLOCK_HV)
+    offs_v = vslice * BLOCK_HV + tl.arange(0, BLOCK_HV)
     mask_h = offs_h < H
     mask_v = offs_v < HV
     tile = offs_h[:, None] * HV + offs_v[None, :]  # [BLOCK_H, BLOCK_HV]
@@ -386,48 +561,56 @@ def _state_kernel(
     r = tl.arange(0, BT)
     first = tl.load(sfirst_ptr + seq)
     count = tl.load(scount_ptr + seq)
-    for c in range(0, count):
-        ci = first + c
-        if T_ROW:  # B rows of T_ROW tokens: the chunk from its index, no table loads
-            start = seq * T_ROW + c * BT
-            n = tl.minimum(T_ROW - c * BT, BT)
-        else:
-            start = tl.load(cstart_ptr + ci)
-            n = tl.load(clen_ptr + ci)
-        if not FUSE:
-            tl.store(hbuf_ptr + (ci.to(tl.int64) * NV + head) * (H * HV) + tile,
-                     s.to(hbuf_ptr.dtype.element_ty), mask=mask)
-        valid = r < n
-        w = tl.load(_tile(w_ptr, start, r, I32, head, offs_h, NV, H),  # [BT, BLOCK_H]
-                    mask=valid[:, None] & mask_h[None, :], other=0.0)
-        u = tl.load(_tile(u_ptr, start, r, I32, head, offs_v, NV, HV),  # [BT, BLOCK_HV]
-                    mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-        v_new = u - _dot_lp(w, s, F32)  # [BT, BLOCK_HV]
-        if not FUSE:
-            _store_rows(vnew_ptr, start, r, I32, valid, head, offs_v, mask_v, v_new, NV, HV)
-        if not F32:
-            v_new = v_new.to(w_ptr.dtype.element_ty).to(tl.float32)  # what the output reads
-        gc = tl.load(_col(gcum_ptr, start, r, I32, head, NV), mask=valid, other=0.0)  # [BT]
-        if FUSE:  # O = (Q ⊙ exp(G)) S + P V_new for this chunk and value tile (off the S chain)
-            q = _load_keys(q_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, QNORM, NK,
-                           H) * SCALE
-            if OUT_LP:
-                o = _sdot(q, s, F32, OUT_LP) * tl.exp(gc)[:, None]
+    if PREFETCH or QK or QRAW:  # QK and QRAW exist in `_state_step` only
+        q_ptr = q_ptr + Q_OFF  # QRAW: the queries after the keys in the intra kernel's buffer
+        s = _state_loop(
+            s, k_ptr, w_ptr, u_ptr, gcum_ptr, cstart_ptr, clen_ptr, q_ptr, p_ptr, hbuf_ptr,
+            vnew_ptr, o_ptr, seq, head, kh, first, count, r, offs_h, mask_h, offs_v, mask_v,
+            tile, mask, EPS, L2NORM, F32, I32, T_ROW, DECAY_V, FUSE, OUT_LP, QNORM, SCALE, NK, NV,
+            H, HV, BT, QK, QRAW)
+    else:
+        for c in range(0, count):
+            ci = first + c
+            if T_ROW:  # B rows of T_ROW tokens: the chunk from its index, no table loads
+                start = seq * T_ROW + c * BT
+                n = tl.minimum(T_ROW - c * BT, BT)
             else:
-                o = _sdot(q * tl.exp(gc)[:, None], s, F32, OUT_LP)
-            pm = tl.load(_tile(p_ptr, start, r, I32, head, r, NV, BT), mask=valid[:, None],
-                         other=0.0)
-            o += _sdot(pm, v_new, F32, OUT_LP)
-            _store_rows(o_ptr, start, r, I32, valid, head, offs_v, mask_v, o, NV, HV)
-        g_last = tl.load(gcum_ptr + (start + n - 1).to(tl.int64) * NV + head)
-        # Keys stored normalised (bf16) go into the dot as loaded when nothing scales them.
-        k = _load_keys(k_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H,
-                       DECAY_V and not (L2NORM or F32))
-        if DECAY_V:  # the decay on V_new's [BT, BLOCK_HV] rows (fla's), not on K's [BT, BLOCK_H]
-            v_new = v_new * tl.exp(g_last - gc)[:, None]
-        else:
-            k = k * tl.exp(g_last - gc)[:, None]
-        s = s * tl.exp(g_last) + _dot_lp(tl.trans(k), v_new, F32)
+                start = tl.load(cstart_ptr + ci)
+                n = tl.load(clen_ptr + ci)
+            if not FUSE:
+                tl.store(hbuf_ptr + (ci.to(tl.int64) * NV + head) * (H * HV) + tile,
+                         s.to(hbuf_ptr.dtype.element_ty), mask=mask)
+            valid = r < n
+            w = tl.load(_tile(w_ptr, start, r, I32, head, offs_h, NV, H),  # [BT, BLOCK_H]
+                        mask=valid[:, None] & mask_h[None, :], other=0.0)
+            u = tl.load(_tile(u_ptr, start, r, I32, head, offs_v, NV, HV),  # [BT, BLOCK_HV]
+                        mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+            v_new = u - _dot_lp(w, s, F32)  # [BT, BLOCK_HV]
+            if not FUSE:
+                _store_rows(vnew_ptr, start, r, I32, valid, head, offs_v, mask_v, v_new, NV, HV)
+            if not F32:
+                v_new = v_new.to(w_ptr.dtype.element_ty).to(tl.float32)  # what the output reads
+            gc = tl.load(_col(gcum_ptr, start, r, I32, head, NV), mask=valid, other=0.0)  # [BT]
+            if FUSE:  # O = (Q ⊙ exp(G)) S + P V_new, this chunk and value tile (off the S chain)
+                q = _load_keys(q_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, QNORM, NK,
+                               H) * SCALE
+                if OUT_LP:
+                    o = _sdot(q, s, F32, OUT_LP) * tl.exp(gc)[:, None]
+                else:
+                    o = _sdot(q * tl.exp(gc)[:, None], s, F32, OUT_LP)
+                pm = tl.load(_tile(p_ptr, start, r, I32, head, r, NV, BT), mask=valid[:, None],
+                             other=0.0)
+                o += _sdot(pm, v_new, F32, OUT_LP)
+                _store_rows(o_ptr, start, r, I32, valid, head, offs_v, mask_v, o, NV, HV)
+            g_last = tl.load(gcum_ptr + (start + n - 1).to(tl.int64) * NV + head)
+            # Keys stored normalised (bf16) go into the dot as loaded when nothing scales them.
+            k = _load_keys(k_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H,
+                           DECAY_V and not (L2NORM or F32))
+            if DECAY_V:  # the decay on V_new's [BT, BLOCK_HV] rows (fla's), not K's [BT, BLOCK_H]
+                v_new = v_new * tl.exp(g_last - gc)[:, None]
+            else:
+                k = k * tl.exp(g_last - gc)[:, None]
+            s = s * tl.exp(g_last) + _dot_lp(tl.trans(k), v_new, F32)
     tl.store(final_ptr + state_row + tile, s, mask=mask)
 
 
@@ -611,13 +794,15 @@ def intra_options(config: Config) -> dict:
     l2-norm)."""
     return dict(SUB=4 if config.solve == "nested" else _SUB, HOIST=config.solve == "subst_hoist",
                 STACKED=config.solve == "stacked", SOLVE_LP=config.solve_bf16,
-                STORE_KN=config.store_kn, FUSE=config.fuse_output, OUT_LP=config.out_bf16)
+                STORE_KN=config.store_kn, FUSE=config.fuse_output and not config.qk_in_state,
+                OUT_LP=config.out_bf16, HEAD_MAJOR=config.intra_head_major)
 
 
 def state_options(config: Config, t_row: int = 0) -> dict:
     """`_state_kernel`'s constexprs from `config`; `t_row` the row length without cu_seqlens."""
     return dict(DECAY_V=config.decay_on_v, T_ROW=t_row if config.affine_state else 0,
-                FUSE=config.fuse_output, OUT_LP=config.out_bf16)
+                FUSE=config.fuse_output, OUT_LP=config.out_bf16, PREFETCH=config.state_prefetch,
+                SLICE_MAJOR=config.state_slice_major, QK=config.qk_in_state)
 
 
 def state_launch(config: Config) -> dict:
@@ -640,9 +825,11 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
       `state(kn, w, u, gcum, cstart, clen, sfirst, scount, h0, q2, p) -> (hbuf, v_new, final, o)`,
       `output(q2, kn, gcum, hbuf, v_new, cstart, clen) -> o [B·T, Nv, Hv]`, and `x` the flattened
       inputs and chunk tables by those names. `kn` is the l2-normalised keys with
-      `config.store_kn` and l2-norm, else `k2` itself. With `config.fuse_output`, `output` is
-      None and the state kernel's `o` is the output (`hbuf` and `v_new` `(1,)` dummies); else
-      `p` and `o` are the dummies.
+      `config.store_kn` and l2-norm, else `k2` itself; with `config.store_qn` too (fused)
+      `[2·B·T, Nk, H]`, the normalised and scaled queries after the keys (the state kernel then
+      reads its queries there, not from `q2`). With `config.fuse_output`, `output` is
+      None and the state kernel's `o` is the output (`hbuf` and `v_new` `(1,)` dummies; `p`
+      too with `config.qk_in_state`); else `p` and `o` are the dummies.
     """
     bsz, t, nk, h = q.shape
     nv, hv = v.shape[2:]
@@ -663,11 +850,14 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
     block_hv = max(16, triton.next_power_of_2(hv))
     l2 = bool(use_qk_l2norm)
     store_kn = config.store_kn and l2
+    store_qn = config.store_qn and store_kn and config.fuse_output
     common = dict(EPS=L2NORM_EPS, L2NORM=l2, F32=f32, NK=nk, NV=nv, H=h, HV=hv, BLOCK_H=block_h,
                   **kernel_options(config))
 
     fuse = config.fuse_output
     shape = lambda full, on: jax.ShapeDtypeStruct(full if on else (1,), inter)
+    if config.intra_head_major and n_chunks > 65535:
+        raise ValueError(f"intra_head_major: {n_chunks} chunks > 65535 (the grid's y limit)")
 
     def intra(q2, k2, v2, g2, beta2, cstart, clen):
         out = triton_call(
@@ -676,26 +866,30 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
             out_shape=(jax.ShapeDtypeStruct((n_tok, nv), jnp.float32),
                        jax.ShapeDtypeStruct((n_tok, nv, h), inter),
                        jax.ShapeDtypeStruct((n_tok, nv, hv), inter),
-                       shape((n_tok, nk, h), store_kn), shape((n_tok, nv, CHUNK), fuse)),
-            grid=(n_chunks, nv),
+                       shape(((1 + store_qn) * n_tok, nk, h), store_kn),
+                       shape((n_tok, nv, CHUNK), fuse and not config.qk_in_state)),
+            grid=(nv, n_chunks) if config.intra_head_major else (n_chunks, nv),
             num_warps=config.intra_warps,
             num_stages=1,
             BT=CHUNK, BLOCK_HV=block_hv, SCALE=float(scale),
-            **dict(intra_options(config), STORE_KN=store_kn), **common,
+            **dict(intra_options(config), STORE_KN=store_kn, STORE_QN=store_qn,
+                   QN_OFF=n_tok * nk * h if store_qn else 0), **common,
         )
         return (*out[:3], out[3] if store_kn else k2, out[4])
 
     def state(k2, w, u, gcum, cstart, clen, sfirst, scount, h0, q2, p):
         bv = min(config.block_hv_state, block_hv)
         return triton_call(
-            k2, w, u, gcum, cstart, clen, sfirst, scount, h0, q2, p,
+            k2, w, u, gcum, cstart, clen, sfirst, scount, h0, k2 if store_qn else q2, p,
             kernel=_state_kernel,
             out_shape=(shape((n_chunks, nv, h, hv), not fuse), shape((n_tok, nv, hv), not fuse),
                        jax.ShapeDtypeStruct((n_seq, nv, h, hv), jnp.float32),
                        jax.ShapeDtypeStruct((n_tok, nv, hv) if fuse else (1,), q.dtype)),
-            grid=(n_seq, nv, triton.cdiv(hv, bv)),
+            grid=((triton.cdiv(hv, bv), nv, n_seq) if config.state_slice_major
+                  else (n_seq, nv, triton.cdiv(hv, bv))),
             **state_launch(config),
             HAS_INIT=has_init, BT=CHUNK, BLOCK_HV=bv, SCALE=float(scale), QNORM=l2,
+            QRAW=store_qn, Q_OFF=n_tok * nk * h if store_qn else 0,
             **state_options(config, t if cu_seqlens is None else 0),
             **dict(common, L2NORM=l2 and not store_kn),
         )
