@@ -11,7 +11,8 @@ Key tiles visited by a program whose rows sit at positions `[q_lo, q_hi]` (causa
 the sink tiles `[0, sinks)`, then `[q_lo - window + 1, min(q_hi + 1, kv_len))`. Only the tiles that
 some row sees only partly run with a mask (window edge, causal diagonal, key-length tail, sinks);
 the tiles every row sees whole run without one. A 4K window at 64K keys thus costs ~4K keys of work
-per row, and causal prefill stops at the diagonal.
+per row, and causal prefill stops at the diagonal. The forward walks these as four loops, or
+(`Config.flat_loop`) as one loop that masks its partly-seen steps behind a run-time branch.
 
 Backward (FlashAttention-2, recomputing from the saved lse): `delta = rowsum(dO * O) - dlse` in
 XLA, then one kernel for dQ (same programs and key tiles as the forward) and one for dK / dV (one
@@ -64,8 +65,9 @@ class Config:
     warp_specialize_masked: bool = False
     # One pipelined key loop per program over all its tiles (sinks, then window edge to
     # diagonal), masking only the steps that need it (a run-time branch per step), instead of
-    # four loops of which the masked ones are mostly a single, unoverlapped tile. It carries
-    # `warp_specialize`. Same tiles, same order, same per-tile arithmetic as the four loops.
+    # four loops of which the masked ones are mostly a single tile whose loads nothing overlaps.
+    # It carries `warp_specialize`. Same tiles in the same order; the values match the four
+    # loops' up to the FMA rounding of the masked steps (bit for bit in the interpreter).
     flat_loop: bool = False
 
     def __post_init__(self):
@@ -339,8 +341,8 @@ def _fwd_program(
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
     if FLAT:
         m = tl.full([BLOCK_M], -3.4028234663852886e38, tl.float32)
-        # Sink tiles every row sees whole (the window has left them behind; the sinks, the keys
-        # and, causal, the first row's diagonal cover them) run unmasked too.
+        # Sink tiles every row sees whole (below the sinks, the key length and, causal, the
+        # first row's position) run unmasked too.
         sink_full = tl.minimum(sinks, kv_len)
         if CAUSAL:
             sink_full = tl.minimum(sink_full, q_lo + 1)
