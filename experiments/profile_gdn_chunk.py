@@ -5,6 +5,7 @@ kernels the time goes to, and how far each is from its bytes and FLOPs.
     python -m experiments.profile_gdn_chunk --config solve=nested,out_bf16=1 --config decay_on_v=1
     python -m experiments.profile_gdn_chunk --quick               # tiny shapes, CPU interpreter
     python -m experiments.profile_gdn_chunk --ptxas --config ...  # sm_90a registers, no GPU
+    python -m experiments.profile_gdn_chunk --variants all        # VARIANTS vs default_config
 
 Shapes as `bench_gdn_prefill`'s gdn rows: Nk16, Nv32, H = Hv = 128, bf16 q / k / v, float32 g and
 beta, l2-norm in the kernels, no initial state (`--init` adds one). Every `--config` (a comma list
@@ -51,6 +52,26 @@ HEADS = dict(nk=16, nv=32, h=128, hv=128)
 QUICK_CASES = ((1, 130), (2, 64))
 QUICK_HEADS = dict(nk=1, nv=2, h=16, hv=32)
 SOLVE_DOTS = {"subst": 15 + 4, "subst_hoist": 15 + 4, "nested": 3 + 4 + 4, "stacked": 15 / 4 + 4}
+# `--variants`: changes on top of each case's `tc.default_config(B, Nv, Hv)` (B1: fused, 32-wide
+# state slices, 4 warps; B8: fused, 64-wide, 8 warps). Byte / latency reasoning: the comment above
+# `triton_chunk.default_config`. Shared memory / registers from `--ptxas` (sm_90a).
+VARIANTS = {
+    "prefetch": dict(state_prefetch=True),
+    "slice-major": dict(state_slice_major=True),
+    "head-major": dict(intra_head_major=True),
+    "qn": dict(store_qn=True),
+    "qk": dict(qk_in_state=True),
+    "qk-qn": dict(qk_in_state=True, store_qn=True),
+    "stages3": dict(state_stages=3),
+    "qn-majors": dict(store_qn=True, state_slice_major=True, intra_head_major=True),
+    "qk-qn-majors": dict(qk_in_state=True, store_qn=True, state_slice_major=True,
+                         intra_head_major=True),
+    # Two state programs per SM (<= ~113 KB shared memory each): 16- / 32-wide slices, 4 warps.
+    "qk-qn-v16": dict(qk_in_state=True, store_qn=True, state_slice_major=True, block_hv_state=16,
+                      state_warps=4),
+    "qk-qn-v32": dict(qk_in_state=True, store_qn=True, state_slice_major=True, block_hv_state=32,
+                      state_warps=4),
+}
 
 
 def parse_config(text: str) -> tc.Config:
@@ -97,17 +118,21 @@ def cost(b: int, t: int, *, nk: int, nv: int, h: int, hv: int, config: tc.Config
     intra = n_tok * (per_h((nk, h)) * in_bytes + nv * hv * in_bytes + 2 * nv * f32)  # k v g beta
     intra += gcum + n_tok * nv * (h + hv) * inter  # gcum, w, u
     intra += k_once if config.store_kn else 0  # the normalised keys (with l2-norm)
-    intra += k_once + p_bytes if fuse else 0  # q read, P written
-    intra_rr = intra - k_once + k_heads
+    qk = fuse and config.qk_in_state  # P made by the state kernel: not written or read
+    qn = fuse and config.store_qn and config.store_kn  # normalised queries written
+    q_read = (fuse and not qk) or qn
+    intra += (k_once if q_read else 0) + (k_once if qn else 0)  # q read, queries written
+    intra += p_bytes if fuse and not qk else 0  # P written
+    intra_rr = intra - k_once + k_heads + (k_heads - k_once if q_read else 0)
     state = k_once + n_tok * nv * (h + hv) * inter + gcum  # k, w, u, gcum
     state += state_bytes * inter + n_tok * nv * hv * inter + b * nv * h * hv * f32  # hbuf, v_new
     state += b * nv * h * hv * f32 if has_init else 0
     if fuse:  # no per-chunk states or V_new written; q and P read, o written
-        state += -state_bytes * inter - n_tok * nv * hv * inter + k_once + p_bytes
+        state += -state_bytes * inter - n_tok * nv * hv * inter + k_once + (0 if qk else p_bytes)
         state += n_tok * nv * hv * in_bytes
     state_rr = state - k_once + tiles_state * (k_heads + n_tok * nv * h * inter)
     if fuse:
-        state_rr += (tiles_state - 1) * p_bytes + tiles_state * k_heads - k_once
+        state_rr += (0 if qk else (tiles_state - 1) * p_bytes) + tiles_state * k_heads - k_once
     out = 2 * k_once + gcum + state_bytes * inter + 2 * n_tok * nv * hv * inter  # q k gcum h vn o
     out_rr = out - 2 * k_once + 2 * tiles_out * k_heads
     if fuse:
@@ -118,8 +143,9 @@ def cost(b: int, t: int, *, nk: int, nv: int, h: int, hv: int, config: tc.Config
         state=heads * 4 * c * h * hv,
         output=heads * (tiles_out * 2 * c * c * h + 2 * c * h * hv + 2 * c * c * hv),
     )
-    if fuse:  # Q Kᵀ once in the intra kernel, Q S and P V_new in the state kernel
-        flops["intra"] += heads * 2 * c * c * h
+    if fuse:  # Q Kᵀ once in the intra kernel (per value tile in the state kernel with
+        # qk_in_state), Q S and P V_new in the state kernel
+        flops["intra" if not qk else "state"] += heads * 2 * c * c * h * (tiles_state if qk else 1)
         flops["state"] += heads * (2 * c * h * hv + 2 * c * c * hv)
         flops["output"] = 0
     return {name: dict(GB=gb(by), GB_rr=gb(rr), GFLOP=flops[name] / 1e9) for name, by, rr in
@@ -242,17 +268,20 @@ for text in sys.argv[1:]:
     print(describe(c), flush=True)
     common = dict(EPS=1e-6, L2NORM=True, F32=False, NK=16, NV=32, H=128, HV=128, BLOCK_H=128)
     common.update(tc.kernel_options(c))
+    qn = dict(on=c.store_qn and c.store_kn and c.fuse_output, off=32768 * 16 * 128)
     report(tc._intra_kernel,
            dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, g_ptr=f32, beta_ptr=f32, cstart_ptr=i32,
                 clen_ptr=i32, gcum_ptr=f32, w_ptr=bf, u_ptr=bf, kn_ptr=bf, p_ptr=bf),
-           dict(common, BT=64, BLOCK_HV=128, SCALE=128 ** -0.5, **tc.intra_options(c)),
+           dict(common, BT=64, BLOCK_HV=128, SCALE=128 ** -0.5, **tc.intra_options(c),
+                STORE_QN=qn["on"], QN_OFF=qn["off"] if qn["on"] else 0),
            c.intra_warps, 1)
     report(tc._state_kernel,
            dict(k_ptr=bf, w_ptr=bf, u_ptr=bf, gcum_ptr=f32, cstart_ptr=i32, clen_ptr=i32,
                 sfirst_ptr=i32, scount_ptr=i32, h0_ptr=f32, q_ptr=bf, p_ptr=bf, hbuf_ptr=bf,
                 vnew_ptr=bf, final_ptr=f32, o_ptr=bf),
            dict(common, HAS_INIT=False, BT=64, BLOCK_HV=c.block_hv_state, SCALE=128 ** -0.5,
-                QNORM=True, **tc.state_options(c, 32768), L2NORM=not c.store_kn),
+                QNORM=True, **tc.state_options(c, 32768), L2NORM=not c.store_kn,
+                QRAW=qn["on"], Q_OFF=qn["off"] if qn["on"] else 0),
            tc.state_launch(c)["num_warps"], tc.state_launch(c)["num_stages"])
     if c.fuse_output:
         continue
@@ -290,6 +319,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--out", default=None, help="ignored (the .ci/gpu-check convention)")
+    p.add_argument("--variants", default=None,
+                   help="comma list of VARIANTS names, or all: each case's default_config, then "
+                        "each variant on top of it (instead of Config() / --config), and a summary")
     p.add_argument("--ptxas", action="store_true",
                    help="no timing: ptxas registers / spills of Config() and each --config")
     args = p.parse_args(argv)
@@ -303,18 +335,51 @@ def main(argv=None) -> list[dict]:
         cases = tuple(tuple(int(n) for n in c.lower().split("x")) for c in args.cases.split(","))
     timing = (dict(iters=1, trials=1, warmup=1) if args.quick else
               dict(iters=args.iters, trials=args.trials, warmup=2))
-    configs = [tc.Config()] + [parse_config(c) for c in args.config]
+    names = None
+    if args.variants:
+        names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+        unknown = sorted(set(names) - set(VARIANTS))
+        if unknown:
+            raise ValueError(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
     print(f"device: {jax.devices()[0].device_kind}  heads: {heads}", flush=True)
     rows = []
     for b, t in cases:
+        if names is None:
+            configs = [("", tc.Config())] + [("", parse_config(c)) for c in args.config]
+        else:
+            base = tc.default_config(b, heads["nv"], heads["hv"])
+            configs = [("default_config", base)] + [
+                (n, dataclasses.replace(base, **VARIANTS[n])) for n in names]
         baseline = None
-        for config in configs:
+        for name, config in configs:
             table, outs = profile_case(b, t, config, heads=heads, init=args.init, timing=timing,
                                        baseline=baseline, reference=args.quick)
             baseline = baseline or outs
+            for r in table:
+                r["variant"] = name
             print(format_table(table) + "\n", flush=True)
             rows += table
+    if names is not None:
+        print(format_summary(rows), flush=True)
     return rows
+
+
+def format_summary(rows) -> str:
+    """One line per (case, variant): per-kernel and whole-op ms, whole against the case's
+    default_config, the output's error against it."""
+    lines = [f"{'case':<10}{'variant':<15}{'intra':>8}{'state':>8}{'output':>8}{'whole':>8}"
+             f"{'vs default':>11}{'rel_err_o':>11}"]
+    base = {}
+    for r in rows:
+        if r["kernel"] != "whole":
+            continue
+        case_rows = [x for x in rows if x["case"] == r["case"] and x["variant"] == r["variant"]]
+        ms = {x["kernel"]: x["ms"] for x in case_rows}
+        base.setdefault(r["case"], r["ms"])
+        lines.append(f"{r['case']:<10}{r['variant']:<15}{ms['intra']:>8.3f}{ms['state']:>8.3f}"
+                     f"{ms.get('output', 0.0):>8.3f}{r['ms']:>8.3f}"
+                     f"{base[r['case']] / r['ms']:>10.3f}x{r.get('rel_err_o', 0.0):>11.2g}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
