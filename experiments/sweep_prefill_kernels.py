@@ -35,6 +35,7 @@ from attn.conv1d import triton_prefill as conv_triton
 from attn.dense import triton as dense_triton
 from attn.dense import triton_paged
 from attn.paged_decode.reference import gather_pages
+from attn.xattention import reference as xattn_ref
 from attn.xattention import triton as xattn_triton
 from experiments import _bench
 from experiments.bench_sparse_prefill import _paged_problem, _sparse_mask
@@ -149,6 +150,17 @@ def xattn(quick):
             print(f"S{s} {name:12} {ms:8.3f} ms  {base[0] / ms:5.2f}x bf16  mask agreement "
                   f"{agree:.4f}  block-sum rel err {_bench.rel_err(sums, base[1]):.1e}",
                   flush=True)
+        # The selection alone (XLA, on the bf16 sums): the reference's two sorts vs one.
+        sums = base[1]
+        tb = sums.shape[2]
+        diag = sparse_ref.diagonal_blocks(tb, jnp.full((1,), s, jnp.int32),
+                                          jnp.full((1,), s, jnp.int32), 128 if not quick else 16)
+        for name, select in (("find_blocks", xattn_ref.find_blocks),
+                             ("select_blocks", xattn_triton.select_blocks)):
+            fn = jax.jit(lambda x, d, select=select: select(x, d, 0.9))
+            agree = float(jnp.mean(fn(sums, diag) == base[2]))
+            print(f"S{s} selection {name:14} {_time(fn, sums, diag, quick=quick):8.3f} ms  "
+                  f"mask agreement {agree:.4f}", flush=True)
         del q, k
 
 

@@ -1,5 +1,6 @@
 """Triton XAttention estimate: antidiagonal strided scores, causal softmax per reduced row and
-block sums in two kernels; the threshold selection (`reference.find_blocks`) stays in XLA.
+block sums in two kernels; the threshold selection stays in XLA (`select_blocks`: the reference's
+`find_blocks` with one sort instead of two).
 
 The scores are one GEMM on the reduced matrices, `A = q_r k_rᵀ` with `q_r [T/st, st·H]` (row `m`
 is `concat_i q[m·st + st-1-i]`) and `k_r [S/st, st·H]` (row `c` is `concat_i k[c·st + i]`), so
@@ -68,7 +69,6 @@ import triton.language as tl
 from attn import _checks
 from attn._harness import triton_call
 from attn.block_sparse.reference import _cdiv, _lengths, diagonal_blocks
-from attn.xattention import reference
 from attn.xattention.reference import dequantize_e4m3, quantize_e4m3  # noqa: F401 (tests)
 
 LOG2E = math.log2(math.e)
@@ -423,6 +423,33 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
     return sums.reshape(b, n, tb, sb)
 
 
+def select_blocks(block_sums, diagonal, threshold):
+    """`reference.find_blocks` with one sort instead of two, the same mask bit for bit.
+
+    The reference keeps a prefix of each row's blocks ranked by (mass descending, index
+    ascending): the first `n` whose preceding mass is below the requirement. Ranks are unique, so
+    block `i` is in that prefix iff its (sort key, index) is at most the `n`-th ranked block's,
+    a compare against one gathered entry per row instead of the inverse permutation's argsort
+    and gather (at S64K, N32 a row is 512 blocks and there are 16K rows).
+    """
+    x = block_sums.astype(jnp.float32)
+    j = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    d = diagonal[:, None, :, None]
+    forced = (j == 0) | (j == d)
+    required = threshold * jnp.sum(x, axis=-1, keepdims=True)
+    forced_mass = jnp.sum(jnp.where(forced, x, 0.0), axis=-1, keepdims=True)
+    other = jnp.where(forced, 0.0, x)
+    key = jnp.where(forced, jnp.inf, -other)
+    order = jnp.argsort(key, axis=-1, stable=True)
+    ranked = jnp.take_along_axis(other, order, axis=-1)
+    before = forced_mass + jnp.cumsum(ranked, axis=-1) - ranked
+    n = jnp.sum(before < required, axis=-1, keepdims=True)  # `before` is non-decreasing
+    last = jnp.take_along_axis(order, jnp.maximum(n - 1, 0), axis=-1)  # the n-th ranked block
+    last_key = jnp.take_along_axis(key, last, axis=-1)
+    keep = (n > 0) & ((key < last_key) | ((key == last_key) & (j <= last)))
+    return (forced | keep) & (j <= d)
+
+
 @functools.partial(jax.jit, static_argnames=("block_size", "stride", "config"))
 def _estimate(q, k, threshold, norm, q_lengths, kv_lengths, *, block_size, stride, config):
     b, t = q.shape[:2]
@@ -431,7 +458,7 @@ def _estimate(q, k, threshold, norm, q_lengths, kv_lengths, *, block_size, strid
     sums = block_sums(q, k, norm, q_len, kv_len, block_size=block_size, stride=stride,
                       config=config)
     tb, sb = sums.shape[2:]
-    mask = reference.find_blocks(sums, diagonal_blocks(tb, q_len, kv_len, block_size), threshold)
+    mask = select_blocks(sums, diagonal_blocks(tb, q_len, kv_len, block_size), threshold)
     r = jnp.arange(tb, dtype=jnp.int32)[:, None]
     j = jnp.arange(sb, dtype=jnp.int32)
     in_range = ((r < _cdiv(q_len, block_size)[:, None, None])

@@ -486,3 +486,23 @@ def test_gpu_fp8_mask_agreement_32k(name):
           f"{covered.min():.4f}")
     assert agree >= 0.98, f"masks agree on {agree:.4f} of the blocks"
     assert covered.min() >= 0.9 - 0.01
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.3, 0.9, 0.999, 1.0])
+def test_select_blocks_equals_find_blocks(tau):
+    """The one-sort selection is the reference's, bit for bit: ties (small integer masses, many
+    equal), zero rows and zero entries, forced blocks that carry most of the mass, diagonals
+    anywhere (also past the row's blocks)."""
+    gen = rng()
+    b, n, tb, sb = 2, 3, 9, 11
+    sums = gen.integers(0, 4, (b, n, tb, sb)).astype(np.float32)
+    sums[0, 0, 0] = 0.0  # a row without mass
+    sums[1, 2, :, 0] = 1e3  # the sink holds (nearly) everything
+    sums[0, 1] = gen.random((tb, sb), np.float32)  # no ties
+    diag = gen.integers(0, sb + 2, (b, tb)).astype(np.int32)
+    diag[0] = np.arange(tb)
+    sums, diag = jnp.asarray(sums), jnp.asarray(diag)
+    got = np.asarray(kernel.select_blocks(sums, diag, tau))
+    want = np.asarray(reference.find_blocks(sums, diag, tau))
+    np.testing.assert_array_equal(got, want)
+    assert want.any() and not want.all()
