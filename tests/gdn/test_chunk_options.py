@@ -1,0 +1,178 @@
+"""The session-5 `triton_chunk.Config` options (interpreted on CPU): `state_prefetch`,
+`state_slice_major`, `intra_head_major`, `qk_in_state`, `store_qn`.
+
+Each rearranges the same arithmetic (loads issued earlier, programs launched in another order, P
+or the normalised queries computed in another kernel from the same values), so on top of the
+per-shape defaults the outputs must be bitwise those of the defaults in the interpreter; on top
+of PLAIN (the session-3 kernels) each must also keep PLAIN's accuracy against the float64
+recurrence (float32 within 1e-5; bf16 varlen with states, the PLAIN-relative bound of
+`tests/attn/test_gdn_triton.py`).
+"""
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn.gdn import triton_chunk as tc
+from tests.attn.test_gdn_triton import PLAIN, _chunk_problem, _recurrent64, _rel_norm
+from tests.utils import assert_close, case_id, rng
+
+FUSED = dict(fuse_output=True)
+OPTIONS = [
+    dict(state_prefetch=True),
+    dict(state_slice_major=True, block_hv_state=16),  # two value slices per head
+    dict(intra_head_major=True),
+    dict(FUSED, qk_in_state=True),
+    dict(FUSED, store_kn=True, store_qn=True),
+    dict(FUSED, store_kn=True, qk_in_state=True, store_qn=True, state_slice_major=True,
+         intra_head_major=True, block_hv_state=16),
+    dict(state_prefetch=True, state_slice_major=True, block_hv_state=16),  # unfused
+]
+IDS = [case_id(**o) for o in OPTIONS]
+LENS = [1, 70, 0, 64]  # one token, a chunk and a tail, an empty sequence, one full chunk
+
+
+def _varlen_problem(dtype, *, nk=1, nv=2):
+    gen = rng()
+    cu = np.concatenate([[0], np.cumsum(LENS)]).astype(np.int32)
+    xs, h0 = _chunk_problem(gen, b=1, t=int(cu[-1]), nk=nk, nv=nv, h=16, hv=32, dtype=dtype,
+                            n_state=len(LENS))
+    return xs, h0, cu
+
+
+def _run(xs, h0, config, cu=None):
+    return tc.gdn_chunked(*xs, initial_state=h0, use_qk_l2norm=True, config=config,
+                          cu_seqlens=None if cu is None else jnp.asarray(cu))
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=IDS)
+@pytest.mark.parametrize("varlen", [False, True], ids=["B2-T130", "varlen"])
+def test_option_is_bitwise_the_defaults(opts, varlen):
+    """bf16, GVA 2 -> 4 value heads, with initial states, on top of `default_config` (fused,
+    out_bf16, store_kn, ...): the same output and final state bit for bit, rows of B tokens
+    (table-free chunk addressing) and packed sequences (chunk tables) alike. Outputs start as
+    NaN in the interpreter, so an element a launch order or a prefetch skips fails."""
+    if varlen:
+        xs, h0, cu = _varlen_problem(jnp.bfloat16, nk=2, nv=4)
+    else:
+        xs, h0 = _chunk_problem(rng(), b=2, t=130, nk=2, nv=4, h=16, hv=32, dtype=jnp.bfloat16)
+        cu = None
+    base = tc.default_config(2, 4, 32)
+    extra = {k: v for k, v in opts.items() if k not in ("store_kn", "fuse_output")}
+    if "block_hv_state" in extra:  # the baseline on the same slices
+        base = dataclasses.replace(base, block_hv_state=extra.pop("block_hv_state"))
+    if not opts.get("fuse_output", True):
+        base = dataclasses.replace(base, fuse_output=False)
+    o0, f0 = _run(xs, h0, base, cu)
+    o, f = _run(xs, h0, dataclasses.replace(base, **extra), cu)
+    assert np.isfinite(np.asarray(o, np.float32)).all()
+    np.testing.assert_array_equal(_bits(o), _bits(o0))
+    np.testing.assert_array_equal(_bits(f), _bits(f0))
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=IDS)
+def test_option_float32_matches_float64(opts):
+    """float32 q/k/v on top of PLAIN: within 1e-5 of the float64 recurrence, as PLAIN is; B2
+    with initial states, T = 130 (two full chunks and a 2-token tail)."""
+    xs, h0 = _chunk_problem(rng(), b=2, t=130, nk=1, nv=2, h=16, hv=32)
+    o, final = _run(xs, h0, dataclasses.replace(PLAIN, **opts))
+    o64, final64 = _recurrent64(*xs, h0)
+    assert_close(o, o64, atol=1e-5, rtol=1e-5)
+    assert_close(final, final64, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=IDS)
+def test_option_bf16_varlen_with_states(opts):
+    """bf16 packed sequences of 1, 70, 0 and 64 tokens with their own initial states, on top of
+    PLAIN: each sequence against the float64 recurrence by relative-norm error, <= 3e-2 and
+    <= 2.5x PLAIN's own error + 2e-3 (the bounds and their reasoning:
+    `test_chunked_speed_options_bf16_varlen_with_states`). `store_qn` rounds the normalised
+    queries to bf16 where PLAIN's TF32 output dots kept them float32: one more rounding of one
+    operand. An empty sequence keeps its state exactly."""
+    xs, h0, cu = _varlen_problem(jnp.bfloat16)
+    (o, final), (o_base, final_base) = (_run(xs, h0, dataclasses.replace(PLAIN, **opts), cu),
+                                        _run(xs, h0, PLAIN, cu))
+    assert o.dtype == jnp.bfloat16 and final.dtype == jnp.float32
+    for i, (lo, hi) in enumerate(itertools.pairwise(cu)):
+        o64, final64 = _recurrent64(*(x[:, lo:hi] for x in xs), h0[i:i + 1])
+        pairs = [("final", final[i:i + 1], final_base[i:i + 1], final64)]
+        if hi > lo:
+            pairs.append(("o", o[:, lo:hi], o_base[:, lo:hi], o64))
+        else:
+            np.testing.assert_array_equal(np.asarray(final[i]), np.asarray(h0[i]))
+        for name, got, base, exp in pairs:
+            err, base_err = _rel_norm(got, exp), _rel_norm(base, exp)
+            assert err <= 3e-2, f"sequence {i} {name}: relative error {err:.3g}"
+            assert err <= 2.5 * base_err + 2e-3, (
+                f"sequence {i} {name}: {err:.3g} against PLAIN's {base_err:.3g}")
+
+
+def test_option_validation():
+    for name in ("qk_in_state", "store_qn"):
+        with pytest.raises(ValueError, match=name):
+            tc.Config(**{name: True})
+    # The head-major intra grid puts the chunks on the grid's y axis (<= 65535).
+    n = 65536 * tc.CHUNK
+    shapes = [jax.ShapeDtypeStruct((1, n, 1, 16), jnp.bfloat16)] * 2 + [
+        jax.ShapeDtypeStruct((1, n, 1, 16), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, n, 1), jnp.float32), jax.ShapeDtypeStruct((1, n, 1), jnp.float32)]
+
+    def build(config):
+        def fn(q, k, v, g, beta):
+            tc.stages(q, k, v, g, beta, config=config)
+            return g
+        return jax.eval_shape(fn, *shapes)
+
+    build(tc.Config())  # the default order takes it
+    with pytest.raises(ValueError, match="65535"):
+        build(tc.Config(intra_head_major=True))
+
+
+def test_profile_counts_qk_and_qn_bytes():
+    """`profile_gdn_chunk.cost` with qk_in_state and store_qn: its intra / state bytes equal the
+    real tensors' sizes (no P anywhere with qk_in_state; the normalised queries after the keys
+    in `kn` with store_qn), and the matmul FLOPs move Q Kᵀ into the state kernel, once per
+    value slice."""
+    from experiments import profile_gdn_chunk as prof
+
+    b, t, heads = 2, 70, dict(nk=1, nv=2, h=16, hv=32)
+    xs, h0 = _chunk_problem(rng(), b=b, t=t, **heads, dtype=jnp.bfloat16)
+    for opts in (dict(qk_in_state=True), dict(store_qn=True),
+                 dict(qk_in_state=True, store_qn=True, block_hv_state=16)):
+        config = dataclasses.replace(PLAIN, fuse_output=True, store_kn=True, **opts)
+        intra, state, output, x = tc.stages(*xs, h0, use_qk_l2norm=True, config=config)
+        assert output is None
+        tables = (x["cstart"], x["clen"])
+        gcum, w, u, kn, p = intra(x["q2"], x["k2"], x["v2"], x["g2"], x["beta2"], *tables)
+        qn = config.store_qn
+        assert kn.shape == ((1 + qn) * b * t, 1, 16)
+        assert p.shape == ((1,) if config.qk_in_state else (b * t, 2, tc.CHUNK))
+        hbuf, v_new, final, o = state(kn, w, u, gcum, *tables, x["sfirst"], x["scount"],
+                                      x["h0"], x["q2"], p)
+        assert hbuf.shape == v_new.shape == (1,)  # fused: neither reaches HBM
+        q_in = () if config.qk_in_state and not qn else (x["q2"],)
+        p_io = () if config.qk_in_state else (p,)
+        q_state = () if qn else (x["q2"],)  # else the queries come with the keys in kn
+        nbytes = {"intra": (*q_in, x["k2"], x["v2"], x["g2"], x["beta2"], gcum, w, u, kn, *p_io),
+                  "state": (kn, w, u, gcum, x["h0"], *q_state, *p_io, final, o)}
+        counts = prof.cost(b, t, config=config, has_init=True, **heads)
+        for name, arrays in nbytes.items():
+            assert counts[name]["GB"] * 1e9 == pytest.approx(sum(a.nbytes for a in arrays)), (
+                opts, name)
+        tiles = 32 // min(config.block_hv_state, 32)
+        qk_flops = b * 2 * heads["nv"] * 2 * tc.CHUNK**2 * heads["h"]  # chunks x heads x 2C²H
+        base = prof.cost(b, t, config=dataclasses.replace(config, qk_in_state=False), **heads)
+        if config.qk_in_state:
+            assert (base["intra"]["GFLOP"] - counts["intra"]["GFLOP"]) * 1e9 == pytest.approx(
+                qk_flops)
+            assert (counts["state"]["GFLOP"] - base["state"]["GFLOP"]) * 1e9 == pytest.approx(
+                tiles * qk_flops)
