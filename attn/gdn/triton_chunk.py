@@ -33,7 +33,11 @@ bf16 output dots (`out_bf16`), the state update's decay on V_new (`decay_on_v`),
 tiles (`i32_offsets`), normalised keys stored once (`store_kn`), table-free chunk addressing in
 the sequential loop (`affine_state`), the state kernel's own warps / stages, and `fuse_output`:
 the output written by the state kernel (no per-chunk states or V_new in HBM, no third kernel).
-`experiments/profile_gdn_chunk.py` times the kernels one by one for any of them.
+Session 5 (off by default, untimed; bitwise the defaults' results in the interpreter): each state
+step's loads issued together (`state_prefetch`), the grids' launch orders (`state_slice_major`,
+`intra_head_major`), P made by the state kernel (`qk_in_state`), the normalised queries stored
+once (`store_qn`); bytes and latencies per kernel in the comment above `default_config`.
+`experiments/profile_gdn_chunk.py` times the kernels one by one for any of them (`--variants`).
 
 Supports: any B, T, Nk | Nv, H and Hv (padded to powers of two >= 16 and masked), initial and
 final states `[Ns, Nv, H, Hv]` float32, varlen with empty sequences, gradients (the XLA
@@ -769,6 +773,47 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_qk_l2nor
 
 
 NUM_SMS = 132  # H100 / H200 SXM
+
+# Bytes, dots and floors at B1 T32K (Nk16 Nv32 H = Hv = 128, bf16 q / k / v, l2-norm, no initial
+# state; `default_config`: fused, 32-wide state slices, 4 warps; counts from
+# `experiments.profile_gdn_chunk.cost`, registers / shared memory from its `--ptxas`; HBM
+# 3.0 TB/s; times measured in session 4, benchmarks/NOTES.md runs 6-7 and 10).
+#
+# Intra, 512 chunks x 32 value heads = 16K programs. Per program: reads k, v, q (16 KB each;
+# k and q read by both value heads of a key head) and g, beta; writes W, U (16 KB each), P (8 KB),
+# G (float32, 256 B) and half of the normalised keys (16 KB per key head). All intermediates but
+# G are already in v's dtype (bf16): no float32 store is left to halve. 1.36 GB unique = 0.45 ms;
+# 1.62 GB with q / k read per value head = 0.54 ms. Dots: K Kᵀ 1.0, the "stacked" solve 4.1,
+# W and U 2.1, Q Kᵀ 1.0 MFLOP = 135 GFLOP, ~0.2 ms of bf16 tensor-core time. Measured ~0.8 ms:
+# 1.5-1.8x the byte floor. 255 registers at 4 warps (217 without P) = two programs (8 warps) per
+# SM, whose 15 dependent solve dots cannot hide each other's latency: latency / occupancy-bound.
+# `qk_in_state` drops q and P (1.09 GB, 0.36 ms floor; 217 registers); `intra_head_major` makes
+# the second read of k / q an L2 hit.
+#
+# State (fused), grid 1 x 32 x 4 = 128 programs: one per SM (131 KB shared memory: W, U, K, Q,
+# P, G two chunks deep) and 512 dependent chunk steps each. Per step: loads W 16 + K 16 + Q 16 +
+# P 8 + U 4 KB, stores O 4 KB; dots W S and Q S (64 x 128 x 32), Kᵀ V_new (128 x 64 x 32),
+# P V_new (64 x 64 x 32) = 1.8 MFLOP, ~0.25 us of one SM's tensor cores. 1.21 GB unique =
+# 0.40 ms; 4.57 GB as the programs read it (W / P by the 4 slices of a head, K / Q by 8 programs;
+# they run in lockstep, so the repeats should mostly hit L2) = 1.52 ms were it all HBM.
+# Measured ~1.6 ms = 3.1 us (~5,500 cycles) per step: ~21 GB/s per SM, ~2.9 TB/s in all.
+# Triton already software-pipelines every load of the loop one chunk ahead (async copies, given
+# jax-triton's 16-byte-aligned pointers), so a step is its dependent chain: wait for the copies;
+# S -> bf16 -> shared; W S; V_new -> shared; Q cast / l2-norm / scale ([64, 128] float32); Q S;
+# P V_new; O store; decays; Kᵀ V_new; S update, all issued in order by one warpgroup (the
+# output's work is off the S chain but in the same instruction stream). The floor here is 512 x
+# that latency, not bytes. Levers: fewer instructions per step (`store_qn`: no Q normalisation,
+# 196 -> 140 registers), fewer bytes per step (`qk_in_state`: no P, -8 of 60 KB, but one more
+# 64 x 128 x 64 dot), two chains per SM (16-wide slices with `qk_in_state` and `store_qn`:
+# 107 KB shared memory, 211 registers; each chain still walks 512 steps, so this pays only if a
+# narrower step is faster and two steps share an SM without slowing down).
+#
+# B8 T4K: 256 chains x 2 slices of 64 = 512 programs at one per SM (148 KB) = 3.9 waves of 64
+# steps. The default grid (Ns, Nv, slices) launches the two slices of a head 256 programs (one
+# to two waves) apart, so W / K / Q / P come from HBM twice: ~1.9 GB (2.7 GB counting every
+# re-read) against 1.23 GB unique, 0.63-0.90 vs 0.41 ms; `state_slice_major` launches them side
+# by side. 32-wide slices with `qk_in_state` and
+# `store_qn` (115 KB, 242 registers) may fit two programs per SM (2 x 116 KB of 228 KB).
 
 
 def default_config(num_seqs: int, nv: int, hv: int) -> Config:
