@@ -352,8 +352,16 @@ def main(argv=None) -> list[dict]:
                 (n, dataclasses.replace(base, **VARIANTS[n])) for n in names]
         baseline = None
         for name, config in configs:
-            table, outs = profile_case(b, t, config, heads=heads, init=args.init, timing=timing,
-                                       baseline=baseline, reference=args.quick)
+            try:
+                table, outs = profile_case(b, t, config, heads=heads, init=args.init,
+                                           timing=timing, baseline=baseline,
+                                           reference=args.quick)
+            except Exception as e:  # a sweep goes on past one variant that fails to launch
+                if names is None or not name or name == "default_config":
+                    raise
+                print(f"B{b}-T{t} {name}: FAILED {type(e).__name__}: {e}"[:2000] + "\n",
+                      flush=True)
+                continue
             baseline = baseline or outs
             for r in table:
                 r["variant"] = name
