@@ -176,3 +176,19 @@ def test_profile_counts_qk_and_qn_bytes():
                 qk_flops)
             assert (counts["state"]["GFLOP"] - base["state"]["GFLOP"]) * 1e9 == pytest.approx(
                 tiles * qk_flops)
+
+
+def test_profile_variants_quick_runs_bitwise():
+    """`profile_gdn_chunk --quick --variants ...` (interpreter): each variant on top of the
+    case's default_config, timed per kernel and whole, with outputs bitwise the default's (these
+    variants only rearrange the same arithmetic); an unknown name is refused."""
+    from experiments import profile_gdn_chunk as prof
+
+    rows = prof.main(["--quick", "--cases", "1x70", "--variants", "prefetch,qk-qn-majors"])
+    wholes = [r for r in rows if r["kernel"] == "whole"]
+    assert [r["variant"] for r in wholes] == ["default_config", "prefetch", "qk-qn-majors"]
+    for r in wholes[1:]:
+        assert r["rel_err_o"] == 0 and r["rel_err_final"] == 0 and r["ms"] > 0, r
+    assert "qk-qn-majors" in prof.format_summary(rows)
+    with pytest.raises(ValueError, match="unknown variants"):
+        prof.main(["--quick", "--variants", "no-such-variant"])
