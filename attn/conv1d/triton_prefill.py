@@ -55,13 +55,14 @@ class Config:
     """Launch configuration: token rows and channels per program, warps per program.
 
     H100 sweep (`experiments.sweep_prefill_kernels conv1d`, T32K, C = 8192, W4, bf16, SiLU,
-    state; NOTES.md session 4): 8 tokens x 512 channels, 4 warps, streaming stores 0.449 ms =
-    0.791 of the copy ceiling; 32 x 128 0.461-0.465 (0.77); 8 warps and tiles of >= 64 tokens
-    0.56-0.73.
+    state; NOTES.md sessions 4 and 5): the row kernel with the select-free split, 16 tokens x
+    1024 channels, 4 warps, streaming stores 0.433 ms = 0.822 of the copy ceiling (the default);
+    the tile kernel at 8 x 512 0.455 (0.782; 32 x 128 0.77; 8 warps and tiles of >= 64 tokens
+    0.56-0.73); rows without the split 0.65-0.77, with it at 8 x 1024 0.80, 8 warps 0.77.
     """
 
-    block_t: int = 8
-    block_c: int = 512
+    block_t: int = 16
+    block_c: int = 1024
     num_warps: int = 4
     # Store `y` with `evict_first` (streaming: y does not push the input's halo rows out of L2).
     stream_store: bool = True
@@ -69,11 +70,11 @@ class Config:
     # results bit for bit. Each program holds `BLOCK_T + W - 1` rows of `BLOCK_C / (32 *
     # num_warps)` elements per thread in registers (e.g. 1024 channels over 4 warps: 16 bytes a
     # row per lane, 35 rows at BLOCK_T = 32).
-    rows: bool = False
+    rows: bool = True
     # Rows kernel only: blocks that hold no sequence start (nearly all) skip the zero-fill selects
     # (3 of ~26 instructions an element at W4 with SiLU) through a run-time branch to a second
     # copy of the row loop (more registers: ptxas for sm_90 spills at 16 x 1024 over 4 warps).
-    rows_split: bool = False
+    rows_split: bool = True
 
     def __post_init__(self):
         if self.block_t < 1 or self.block_t & (self.block_t - 1):

@@ -18,8 +18,8 @@ from attn.conv1d import triton_prefill as prefill
 from tests.utils import assert_close, case_id, rng
 
 ref_conv = jax.jit(ref.causal_conv1d, static_argnames=("activation",))
-TILE = prefill.Config(block_t=8, block_c=16)
-ROWS = prefill.Config(block_t=8, block_c=16, rows=True)
+TILE = prefill.Config(block_t=8, block_c=16, rows=False, rows_split=False)
+ROWS = prefill.Config(block_t=8, block_c=16, rows=True, rows_split=False)
 SPLIT = prefill.Config(block_t=8, block_c=16, rows=True, rows_split=True)
 # Empty, shorter than W, block-crossing; 38 tokens in all. Sequence starts at 16 (a block's first
 # row: that block needs the zero fill, though its last row's sequence began at or before it) and 25.
@@ -84,8 +84,8 @@ def test_rows_kernel_block_shapes_f32(cfg):
     args = _problem(gen, w=4, varlen=True, state=True, bias=True, dtype=jnp.float32)
     x, weight, b, h0, cu = args
     expected = ref_conv(x, weight, b, initial_state=h0, activation="silu", cu_seqlens=cu)
-    _check(_run(prefill.Config(**cfg, rows=True), *args, "silu"),
-           _run(prefill.Config(**cfg), *args, "silu"), expected,
+    _check(_run(prefill.Config(**cfg, rows=True, rows_split=False), *args, "silu"),
+           _run(prefill.Config(**cfg, rows=False, rows_split=False), *args, "silu"), expected,
            _run(prefill.Config(**cfg, rows=True, rows_split=True), *args, "silu"))
 
 
@@ -126,8 +126,8 @@ def test_rows_kernel_compiled_is_the_tile_kernel_bitwise(varlen, cfg):
         return jax.jit(lambda x, w: prefill.causal_conv1d(
             x, w, initial_state=h0, activation="silu", cu_seqlens=cu, config=config))(x, weight)
 
-    rows = run(prefill.Config(**cfg, rows=True))
-    tile = run(prefill.Config())
+    rows = run(prefill.Config(**{"rows_split": False, **cfg, "rows": True}))
+    tile = run(prefill.Config(block_t=8, block_c=512, rows=False, rows_split=False))
     expected = jax.jit(lambda x, w: ref.causal_conv1d(
         x, w, initial_state=h0, activation="silu", cu_seqlens=cu))(x, weight)
     _check(rows, tile, expected)
