@@ -18,7 +18,13 @@ import numpy as np
 import pytest
 
 from attn.gdn import triton_chunk as tc
-from tests.attn.test_gdn_triton import PLAIN, _chunk_problem, _recurrent64, _rel_norm
+from tests.attn.test_gdn_triton import (
+    PLAIN,
+    _check_at_model_dims,
+    _chunk_problem,
+    _recurrent64,
+    _rel_norm,
+)
 from tests.utils import assert_close, case_id, rng
 
 FUSED = dict(fuse_output=True)
@@ -192,3 +198,18 @@ def test_profile_variants_quick_runs_bitwise():
     assert "qk-qn-majors" in prof.format_summary(rows)
     with pytest.raises(ValueError, match="unknown variants"):
         prof.main(["--quick", "--variants", "no-such-variant"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["qn-majors", "qk-qn-majors", "qk-qn-v16", "qk-qn-v32",
+                                     "prefetch", "stages3"])
+@pytest.mark.parametrize("b", [1, 8], ids=["B1-defaults", "B8-defaults"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["B2-T4K", "varlen"])
+def test_variants_compiled_on_gpu_at_model_dims(variant, b, varlen):
+    """The profile's `--variants` on the GPU (compiled, sm_90a): on top of the B1 and the B8
+    `default_config`, Nk16 Nv32 H = Hv = 128 bf16 with states, within the 2e-2 relative-norm
+    bound of `test_chunked_compiled_on_gpu_at_model_dims` against the float32 XLA reference."""
+    from experiments import profile_gdn_chunk as prof
+
+    config = dataclasses.replace(tc.default_config(b, 32, 128), **prof.VARIANTS[variant])
+    _check_at_model_dims(varlen, config)
