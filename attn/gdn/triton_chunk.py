@@ -566,7 +566,8 @@ def _state_kernel(
     first = tl.load(sfirst_ptr + seq)
     count = tl.load(scount_ptr + seq)
     if PREFETCH or QK or QRAW:  # QK and QRAW exist in `_state_step` only
-        q_ptr = q_ptr + Q_OFF  # QRAW: the queries after the keys in the intra kernel's buffer
+        if QRAW:  # the queries after the keys in the intra kernel's buffer
+            q_ptr = q_ptr + Q_OFF
         s = _state_loop(
             s, k_ptr, w_ptr, u_ptr, gcum_ptr, cstart_ptr, clen_ptr, q_ptr, p_ptr, hbuf_ptr,
             vnew_ptr, o_ptr, seq, head, kh, first, count, r, offs_h, mask_h, offs_v, mask_v,
