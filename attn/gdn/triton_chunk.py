@@ -121,6 +121,7 @@ class Config:
     # State grid `(slices, Nv, Ns)`, not `(Ns, Nv, slices)`: the value slices of one head (which
     # read the same W, K, Q, P) and the two heads of a key head launch next to one another, so
     # their re-reads hit L2 (with Ns >= 2 the slices otherwise launch ~a wave apart).
+    # Sequences <= 65535.
     state_slice_major: bool = False
     # Intra grid `(Nv, chunks)`: the value heads of a chunk launch together (k / q read once
     # from HBM per key head, the W / U / P rows of a chunk written together). Chunks <= 65535.
@@ -904,6 +905,8 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
     shape = lambda full, on: jax.ShapeDtypeStruct(full if on else (1,), inter)
     if config.intra_head_major and n_chunks > 65535:
         raise ValueError(f"intra_head_major: {n_chunks} chunks > 65535 (the grid's y limit)")
+    if config.state_slice_major and n_seq > 65535:
+        raise ValueError(f"state_slice_major: {n_seq} sequences > 65535 (the grid's z limit)")
 
     def intra(q2, k2, v2, g2, beta2, cstart, clen):
         out = triton_call(

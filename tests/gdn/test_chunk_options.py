@@ -141,6 +141,19 @@ def test_option_validation():
     build(tc.Config())  # the default order takes it
     with pytest.raises(ValueError, match="65535"):
         build(tc.Config(intra_head_major=True))
+    # The slice-major state grid puts the sequences on its z axis (<= 65535).
+    small = [jax.ShapeDtypeStruct((1, 8, *x.shape[2:]), x.dtype) for x in shapes]
+    cu = jax.ShapeDtypeStruct((65537,), jnp.int32)
+
+    def build_varlen(config):
+        def fn(q, k, v, g, beta, cu):
+            tc.stages(q, k, v, g, beta, cu_seqlens=cu, config=config)
+            return g
+        return jax.eval_shape(fn, *small, cu)
+
+    build_varlen(tc.Config())
+    with pytest.raises(ValueError, match="65535"):
+        build_varlen(tc.Config(state_slice_major=True))
 
 
 def test_profile_counts_qk_and_qn_bytes():
