@@ -164,7 +164,8 @@ def _empty_output(s: jax.ShapeDtypeStruct, zeroed: bool) -> np.ndarray:
         return np.zeros(s.shape, s.dtype)
     if jnp.issubdtype(s.dtype, jnp.floating):
         return np.full(s.shape, np.nan, s.dtype)
-    return np.full(s.shape, -(2**15) + 7, s.dtype)  # garbage, like uninitialised memory
+    # Garbage, like uninitialised memory.
+    return np.full(s.shape, max(-(2**15), np.iinfo(s.dtype).min) + 7, s.dtype)
 
 
 @functools.cache

@@ -135,7 +135,9 @@ def xattn(quick):
                 ("fp8 128x256", C(fp8=True, block_k=128, block_c=256)),
                 ("fp8 256x128", C(fp8=True, block_k=128, block_r=256)),
                 ("fp8 128x256 s2", C(fp8=True, block_k=128, block_c=256, num_stages=2)),
-                ("fp8 k128 s4", C(fp8=True, block_k=128, num_stages=4))]
+                ("fp8 k128 s4", C(fp8=True, block_k=128, num_stages=4)),
+                ("fp8 k128 sel", C(fp8=True, block_k=128, select_kernel=True)),
+                ("bf16 sel", C(select_kernel=True))]
     for s in seqs:
         q, k, _ = _bench.qkv(s + 7, 1, s, n, kh, h)
         base = None
@@ -156,7 +158,8 @@ def xattn(quick):
         diag = sparse_ref.diagonal_blocks(tb, jnp.full((1,), s, jnp.int32),
                                           jnp.full((1,), s, jnp.int32), 128 if not quick else 16)
         for name, select in (("find_blocks", xattn_ref.find_blocks),
-                             ("select_blocks", xattn_triton.select_blocks)):
+                             ("select_blocks", xattn_triton.select_blocks),
+                             ("kernel", xattn_triton.select_blocks_kernel)):
             fn = jax.jit(lambda x, d, select=select: select(x, d, 0.9))
             agree = float(jnp.mean(fn(sums, diag) == base[2]))
             print(f"S{s} selection {name:14} {_time(fn, sums, diag, quick=quick):8.3f} ms  "

@@ -107,6 +107,9 @@ class Config:
     fp8: bool = False
     # The K loop warp-specialised (Triton's Hopper pass; >= 8 warps). Off until timed.
     warp_specialize: bool = False
+    # The threshold selection in a Triton kernel (`select_blocks_kernel`: float32 sums in the
+    # kernel's order) instead of XLA's sort (`select_blocks`, the reference's mask exactly).
+    select_kernel: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_r", "block_c", "block_k"))
@@ -423,6 +426,59 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
     return sums.reshape(b, n, tb, sb)
 
 
+@triton.jit
+def _select_kernel(
+    sums_ptr,  # [B * N * TB, SB] f32 block masses
+    diag_ptr,  # [B, TB] int32 diagonal block of each query tile
+    tau_ptr,  # [1] f32 threshold
+    out_ptr,  # [B * N * TB, SB] int8 selected
+    NTB: tl.constexpr,  # N * TB rows per request
+    TB: tl.constexpr,
+    SB: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """`select_blocks` for one row: the ranking as one in-register sort of 64-bit keys (mass
+    bits above, `BLOCK_S - 1 - j` below: mass descending, index ascending, all keys distinct),
+    forced and padding blocks as negative keys after every other block."""
+    row = tl.program_id(0)
+    d = tl.load(diag_ptr + (row // NTB) * TB + row % TB)
+    j = tl.arange(0, BLOCK_S)
+    x = tl.load(sums_ptr + row.to(tl.int64) * SB + j, mask=j < SB, other=0.0)
+    forced = (j == 0) | (j == d)
+    required = tl.load(tau_ptr) * tl.sum(x, 0)
+    forced_mass = tl.sum(tl.where(forced, x, 0.0), 0)
+    last = forced | (j >= SB)  # ranked after every candidate, carrying no mass
+    other = tl.where(last, 0.0, x)
+    bits = other.to(tl.int32, bitcast=True).to(tl.int64)  # masses >= 0: bits order as values
+    key = tl.where(last, -1 - j.to(tl.int64), (bits << 32) | (BLOCK_S - 1 - j).to(tl.int64))
+    ranked = tl.sort(key, descending=True)
+    mass = tl.where(ranked >= 0, (ranked >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    before = forced_mass + tl.cumsum(mass, 0) - mass  # mass kept before each ranked block
+    n = tl.sum((before < required).to(tl.int32), 0)  # `before` is non-decreasing: a prefix
+    kth = tl.max(tl.where(j == n - 1, ranked, -(1 << 62)), 0)  # the n-th ranked key
+    keep = forced | ((n > 0) & (key >= kth))
+    tl.store(out_ptr + row.to(tl.int64) * SB + j, (keep & (j <= d)).to(tl.int8), mask=j < SB)
+
+
+def select_blocks_kernel(block_sums, diagonal, threshold):
+    """`select_blocks` in one Triton program per (request, head, query tile) row. The same
+    ranking; the row total and the running mass are float32 sums in the kernel's order, so a
+    block whose preceding mass sits within rounding of the requirement may go the other way
+    (bit for bit the reference's mask where the sums are exact, e.g. integer masses)."""
+    b, n, tb, sb = block_sums.shape
+    tau = jnp.reshape(jnp.asarray(threshold, jnp.float32), (1,))
+    out = triton_call(
+        block_sums.astype(jnp.float32).reshape(b * n * tb, sb), diagonal.astype(jnp.int32), tau,
+        kernel=_select_kernel,
+        out_shape=jax.ShapeDtypeStruct((b * n * tb, sb), jnp.int8),
+        grid=(b * n * tb,),
+        num_warps=4 if sb > 256 else 2,
+        num_stages=1,
+        NTB=n * tb, TB=tb, SB=sb, BLOCK_S=max(16, triton.next_power_of_2(sb)),
+    )
+    return out.reshape(b, n, tb, sb).astype(bool)
+
+
 def select_blocks(block_sums, diagonal, threshold):
     """`reference.find_blocks` with one sort instead of two, the same mask bit for bit.
 
@@ -458,7 +514,8 @@ def _estimate(q, k, threshold, norm, q_lengths, kv_lengths, *, block_size, strid
     sums = block_sums(q, k, norm, q_len, kv_len, block_size=block_size, stride=stride,
                       config=config)
     tb, sb = sums.shape[2:]
-    mask = select_blocks(sums, diagonal_blocks(tb, q_len, kv_len, block_size), threshold)
+    select = select_blocks_kernel if config.select_kernel else select_blocks
+    mask = select(sums, diagonal_blocks(tb, q_len, kv_len, block_size), threshold)
     r = jnp.arange(tb, dtype=jnp.int32)[:, None]
     j = jnp.arange(sb, dtype=jnp.int32)
     in_range = ((r < _cdiv(q_len, block_size)[:, None, None])
