@@ -818,17 +818,25 @@ NUM_SMS = 132  # H100 / H200 SXM
 # `store_qn` (115 KB, 242 registers) may fit two programs per SM (2 x 116 KB of 228 KB).
 
 
-def default_config(num_seqs: int, nv: int, hv: int) -> Config:
+def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1) -> Config:
     """`Config()` with the output fused into the state kernel, whose tile follows the number of
     (sequence, value head) chains it can run side by side. H100, Nk16 Nv32 H = Hv = 128, bf16
-    (`experiments.profile_gdn_chunk`, NOTES.md session 4), whole op against 3.20 / 3.24 ms
-    unfused: B1 T32K (32 chains) 2.41 ms with 32-feature tiles and 4-warp state programs (8
-    warps 2.74, 64-feature tiles 2.97); B8 T4K (256 chains) 2.05 ms with 64-feature tiles and 8
-    warps (4 warps 2.57, 32-feature 2.84). The rule: 64-feature tiles when they still give two
-    programs per SM, else 32-feature tiles on 4 warps."""
+    (`experiments.profile_gdn_chunk`, NOTES.md sessions 4 and 5), whole op:
+
+    - few chains (B1 T32K, 32): 32-feature state tiles on 4 warps (session 4: 2.41 ms; 8 warps
+      2.74, 64-feature tiles 2.97), plus stored normalised queries and both head-major grids
+      (session 5: 2.445 -> 2.258 ms; computing q kᵀ in the state kernel 2.62: it lengthens the
+      sequential chain).
+    - enough chains for two 64-feature programs per SM (B8 T4K, 256): session 4 took 64-feature
+      tiles on 8 warps (2.05-2.12 ms); session 5's 32-feature tiles on 4 warps with q kᵀ in the
+      state kernel, stored queries and the slice-major state grid run 1.935 ms against 2.119.
+
+    The head-major grids hold up to 65535 chunks / sequences (`num_chunks`: an upper bound)."""
+    majors = dict(state_slice_major=num_seqs <= 65535, intra_head_major=num_chunks <= 65535)
     if num_seqs * nv * triton.cdiv(hv, 64) >= 2 * NUM_SMS:
-        return Config(fuse_output=True, block_hv_state=64)
-    return Config(fuse_output=True, block_hv_state=32, state_warps=4)
+        return Config(fuse_output=True, block_hv_state=32, state_warps=4, qk_in_state=True,
+                      store_qn=True, state_slice_major=majors["state_slice_major"])
+    return Config(fuse_output=True, block_hv_state=32, state_warps=4, store_qn=True, **majors)
 
 
 def kernel_options(config: Config) -> dict:
@@ -882,7 +890,8 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
     nv, hv = v.shape[2:]
     n_tok = bsz * t
     n_seq = bsz if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    config = default_config(n_seq, nv, hv) if config is None else config
+    if config is None:
+        config = default_config(n_seq, nv, hv, num_chunks=triton.cdiv(n_tok, CHUNK) + n_seq)
     scale = h**-0.5 if scale is None else scale
     f32 = all(x.dtype == jnp.float32 for x in (q, k, v))
     inter = jnp.float32 if f32 else v.dtype
