@@ -109,7 +109,8 @@ class Config:
     warp_specialize: bool = False
     # The threshold selection in a Triton kernel (`select_blocks_kernel`: float32 sums in the
     # kernel's order) instead of XLA's sort (`select_blocks`, the reference's mask exactly).
-    select_kernel: bool = False
+    # H100, N32, stride 16: 0.28 ms against XLA's 0.48 at S64K, 1.46 against 1.95 at S128K.
+    select_kernel: bool = True
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_r", "block_c", "block_k"))
