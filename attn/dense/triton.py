@@ -12,7 +12,10 @@ the sink tiles `[0, sinks)`, then `[q_lo - window + 1, min(q_hi + 1, kv_len))`. 
 some row sees only partly run with a mask (window edge, causal diagonal, key-length tail, sinks);
 the tiles every row sees whole run without one. A 4K window at 64K keys thus costs ~4K keys of work
 per row, and causal prefill stops at the diagonal. The forward walks these as four loops, or
-(`Config.flat_loop`) as one loop that masks its partly-seen steps behind a run-time branch.
+(`Config.flat_loop`) as one loop that masks its partly-seen steps behind a run-time branch: on
+the H100 that one loop measured 10-12% slower (S8K causal 1.24-1.25 ms against 1.10-1.12, 0.80x
+cuDNN against 0.89-0.91x; S64K window 9.86-9.95 against 9.33-9.35; NOTES.md session 5), so the
+four loops are the default.
 
 Backward (FlashAttention-2, recomputing from the saved lse): `delta = rowsum(dO * O) - dlse` in
 XLA, then one kernel for dQ (same programs and key tiles as the forward) and one for dK / dV (one
@@ -68,6 +71,7 @@ class Config:
     # four loops of which the masked ones are mostly a single tile whose loads nothing overlaps.
     # It carries `warp_specialize`. Same tiles in the same order; the values match the four
     # loops' up to the FMA rounding of the masked steps (bit for bit in the interpreter).
+    # Measured slower (module docstring): an experiment, off.
     flat_loop: bool = False
 
     def __post_init__(self):
