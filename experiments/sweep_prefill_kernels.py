@@ -23,6 +23,7 @@ A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialise
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -136,8 +137,9 @@ def xattn(quick):
                 ("fp8 256x128", C(fp8=True, block_k=128, block_r=256)),
                 ("fp8 128x256 s2", C(fp8=True, block_k=128, block_c=256, num_stages=2)),
                 ("fp8 k128 s4", C(fp8=True, block_k=128, num_stages=4)),
-                ("fp8 k128 sel", C(fp8=True, block_k=128, select_kernel=True)),
-                ("bf16 sel", C(select_kernel=True))]
+                ("fp8 k128 xla-sel", C(fp8=True, block_k=128, selection="xla")),
+                ("fp8 k128 search", C(fp8=True, block_k=128, selection="search")),
+                ("bf16 xla-sel", C(selection="xla"))]
     for s in seqs:
         q, k, _ = _bench.qkv(s + 7, 1, s, n, kh, h)
         base = None
@@ -159,7 +161,9 @@ def xattn(quick):
                                           jnp.full((1,), s, jnp.int32), 128 if not quick else 16)
         for name, select in (("find_blocks", xattn_ref.find_blocks),
                              ("select_blocks", xattn_triton.select_blocks),
-                             ("kernel", xattn_triton.select_blocks_kernel)):
+                             ("kernel sort", xattn_triton.select_blocks_kernel),
+                             ("kernel search", functools.partial(
+                                 xattn_triton.select_blocks_kernel, search=True))):
             fn = jax.jit(lambda x, d, select=select: select(x, d, 0.9))
             agree = float(jnp.mean(fn(sums, diag) == base[2]))
             print(f"S{s} selection {name:14} {_time(fn, sums, diag, quick=quick):8.3f} ms  "

@@ -107,13 +107,16 @@ class Config:
     fp8: bool = False
     # The K loop warp-specialised (Triton's Hopper pass; >= 8 warps). Off until timed.
     warp_specialize: bool = False
-    # The threshold selection in a Triton kernel (`select_blocks_kernel`: float32 sums in the
-    # kernel's order) instead of XLA's sort (`select_blocks`, the reference's mask exactly).
-    # H100, N32, stride 16: 0.28 ms against XLA's 0.48 at S64K, 1.46 against 1.95 at S128K.
-    select_kernel: bool = True
+    # The threshold selection: "sort" / "search", a Triton kernel (`select_blocks_kernel`:
+    # float32 sums in the kernel's order, the ranking by a sort or a bisection), or "xla"
+    # (`select_blocks`, the reference's mask exactly). H100, N32, stride 16: "sort" 0.28 ms
+    # against XLA's 0.48 at S64K, 1.46 against 1.95 at S128K.
+    selection: str = "sort"
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_r", "block_c", "block_k"))
+        if self.selection not in ("sort", "search", "xla"):
+            raise ValueError(f"selection={self.selection!r}: expected 'sort', 'search' or 'xla'")
         if self.scratch_bytes <= 0:
             raise ValueError(f"scratch_bytes={self.scratch_bytes} must be positive")
         if self.fp8 and self.block_k < 32:  # an fp8 MMA reduces over 32 elements
@@ -437,10 +440,24 @@ def _select_kernel(
     TB: tl.constexpr,
     SB: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    SEARCH: tl.constexpr,
 ):
-    """`select_blocks` for one row: the ranking as one in-register sort of 64-bit keys (mass
-    bits above, `BLOCK_S - 1 - j` below: mass descending, index ascending, all keys distinct),
-    forced and padding blocks as negative keys after every other block."""
+    """`select_blocks` for one row. The candidates (neither forced nor padding) ranked by mass
+    descending, index ascending; the first `n` whose preceding mass (after the forced blocks')
+    is below the requirement are kept. Two ways to find them:
+
+    - sort (SEARCH False): one in-register sort of 64-bit keys (mass bits above, `BLOCK_S - 1 -
+      j` below: all distinct), forced and padding blocks as negative keys after every candidate;
+      a running sum over the sorted masses gives `n`, and a block is kept iff its key is at
+      least the `n`-th's.
+    - search (SEARCH True): no sort. Masses are >= 0, so their float bits order as the masses.
+      With `M(u)` the mass of the candidates whose bits exceed `u`, the first block of a mass
+      class `u` has `forced + M(u)` before it, so some of the class is kept iff that is below
+      the requirement, which holds for every `u` from some `u*` on: 31 bisection steps (each a
+      masked row sum) find `u*`. Every candidate above `u*` is kept (its whole class fits, as
+      `M(u* ... )` is monotone), and of the class at `u*` the first `t` by index with
+      `forced + M(u*) + t·m` below the requirement.
+    """
     row = tl.program_id(0)
     d = tl.load(diag_ptr + (row // NTB) * TB + row % TB)
     j = tl.arange(0, BLOCK_S)
@@ -450,22 +467,41 @@ def _select_kernel(
     forced_mass = tl.sum(tl.where(forced, x, 0.0), 0)
     last = forced | (j >= SB)  # ranked after every candidate, carrying no mass
     other = tl.where(last, 0.0, x)
-    bits = other.to(tl.int32, bitcast=True).to(tl.int64)  # masses >= 0: bits order as values
-    key = tl.where(last, -1 - j.to(tl.int64), (bits << 32) | (BLOCK_S - 1 - j).to(tl.int64))
-    ranked = tl.sort(key, descending=True)
-    mass = tl.where(ranked >= 0, (ranked >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    before = forced_mass + tl.cumsum(mass, 0) - mass  # mass kept before each ranked block
-    n = tl.sum((before < required).to(tl.int32), 0)  # `before` is non-decreasing: a prefix
-    kth = tl.max(tl.where(j == n - 1, ranked, -(1 << 62)), 0)  # the n-th ranked key
-    keep = forced | ((n > 0) & (key >= kth))
+    if SEARCH:
+        bits = other.to(tl.int32, bitcast=True)  # masses >= 0: bits order as values
+        lo = tl.full([], -1, tl.int64)  # the kept-class condition fails at lo (or lo = -1)
+        hi = tl.full([], 0x7FFFFFFF, tl.int64)  # and holds at hi (int64: hi - lo overflows)
+        for _ in tl.static_range(31):
+            mid = lo + (hi - lo) // 2
+            fits = forced_mass + tl.sum(tl.where(bits > mid, other, 0.0), 0) < required
+            hi = tl.where(fits, mid, hi)
+            lo = tl.where(fits, lo, mid)
+        hi = hi.to(tl.int32)
+        tie = (bits == hi) & ~last
+        m = tl.max(tl.where(tie, other, 0.0), 0)
+        t = tl.cumsum(tie.to(tl.int32), 0) - 1  # rank among the class by index
+        above = forced_mass + tl.sum(tl.where(bits > hi, other, 0.0), 0)
+        keep_tie = tie & (above + t.to(tl.float32) * m < required)
+        keep = forced | (~last & (bits > hi)) | keep_tie
+    else:
+        bits64 = other.to(tl.int32, bitcast=True).to(tl.int64)
+        key = tl.where(last, -1 - j.to(tl.int64), (bits64 << 32) | (BLOCK_S - 1 - j).to(tl.int64))
+        ranked = tl.sort(key, descending=True)
+        mass = tl.where(ranked >= 0, (ranked >> 32).to(tl.int32).to(tl.float32, bitcast=True),
+                        0.0)
+        before = forced_mass + tl.cumsum(mass, 0) - mass  # mass kept before each ranked block
+        n = tl.sum((before < required).to(tl.int32), 0)  # `before` is non-decreasing: a prefix
+        kth = tl.max(tl.where(j == n - 1, ranked, -(1 << 62)), 0)  # the n-th ranked key
+        keep = forced | ((n > 0) & (key >= kth))
     tl.store(out_ptr + row.to(tl.int64) * SB + j, (keep & (j <= d)).to(tl.int8), mask=j < SB)
 
 
-def select_blocks_kernel(block_sums, diagonal, threshold):
-    """`select_blocks` in one Triton program per (request, head, query tile) row. The same
-    ranking; the row total and the running mass are float32 sums in the kernel's order, so a
-    block whose preceding mass sits within rounding of the requirement may go the other way
-    (bit for bit the reference's mask where the sums are exact, e.g. integer masses)."""
+def select_blocks_kernel(block_sums, diagonal, threshold, *, search: bool = False):
+    """`select_blocks` in one Triton program per (request, head, query tile) row, by a sort or
+    (`search`) a bisection over the mass bits (see `_select_kernel`). The same ranking; the row
+    total and the running masses are float32 sums in the kernel's order, so a block whose
+    preceding mass sits within rounding of the requirement may go the other way (bit for bit
+    the reference's mask where the sums are exact, e.g. integer masses)."""
     b, n, tb, sb = block_sums.shape
     tau = jnp.reshape(jnp.asarray(threshold, jnp.float32), (1,))
     out = triton_call(
@@ -475,7 +511,7 @@ def select_blocks_kernel(block_sums, diagonal, threshold):
         grid=(b * n * tb,),
         num_warps=4 if sb > 256 else 2,
         num_stages=1,
-        NTB=n * tb, TB=tb, SB=sb, BLOCK_S=max(16, triton.next_power_of_2(sb)),
+        NTB=n * tb, TB=tb, SB=sb, BLOCK_S=max(16, triton.next_power_of_2(sb)), SEARCH=search,
     )
     return out.reshape(b, n, tb, sb).astype(bool)
 
@@ -515,8 +551,11 @@ def _estimate(q, k, threshold, norm, q_lengths, kv_lengths, *, block_size, strid
     sums = block_sums(q, k, norm, q_len, kv_len, block_size=block_size, stride=stride,
                       config=config)
     tb, sb = sums.shape[2:]
-    select = select_blocks_kernel if config.select_kernel else select_blocks
-    mask = select(sums, diagonal_blocks(tb, q_len, kv_len, block_size), threshold)
+    diag = diagonal_blocks(tb, q_len, kv_len, block_size)
+    if config.selection == "xla":
+        mask = select_blocks(sums, diag, threshold)
+    else:
+        mask = select_blocks_kernel(sums, diag, threshold, search=config.selection == "search")
     r = jnp.arange(tb, dtype=jnp.int32)[:, None]
     j = jnp.arange(sb, dtype=jnp.int32)
     in_range = ((r < _cdiv(q_len, block_size)[:, None, None])

@@ -508,9 +508,10 @@ def test_select_blocks_equals_find_blocks(tau):
     assert want.any() and not want.all()
 
 
+@pytest.mark.parametrize("search", [False, True], ids=["sort", "search"])
 @pytest.mark.parametrize("sb", [11, 64])
 @pytest.mark.parametrize("tau", [0.0, 0.5, 0.9, 1.0])
-def test_select_blocks_kernel(sb, tau):
+def test_select_blocks_kernel(sb, tau, search):
     """The in-kernel selection: bit for bit the reference where the sums are exact (integer
     masses, ties everywhere), and nearly always with random float masses (summation order)."""
     gen = rng()
@@ -520,7 +521,7 @@ def test_select_blocks_kernel(sb, tau):
     ints[1, 2, :, 0] = 1e3
     diag = jnp.asarray(gen.integers(0, sb + 2, (b, tb)), jnp.int32)
     for sums in (jnp.asarray(ints), jnp.asarray(gen.random((b, n, tb, sb), np.float32) ** 4)):
-        got = np.asarray(kernel.select_blocks_kernel(sums, diag, tau))
+        got = np.asarray(kernel.select_blocks_kernel(sums, diag, tau, search=search))
         want = np.asarray(reference.find_blocks(sums, diag, tau))
         if sums.dtype == jnp.float32 and np.all(np.asarray(sums) == ints):
             np.testing.assert_array_equal(got, want)
@@ -530,7 +531,8 @@ def test_select_blocks_kernel(sb, tau):
 
 
 @pytest.mark.gpu
-def test_gpu_select_kernel_matches_xla_selection_64k():
+@pytest.mark.parametrize("search", [False, True], ids=["sort", "search"])
+def test_gpu_select_kernel_matches_xla_selection_64k(search):
     """S64K-shaped sums (N 32, 512 x 512 blocks, random near-uniform masses: the hard case):
     the compiled selection kernel against XLA's, entry agreement >= 0.999 and every row's kept
     mass >= τ - 1e-4 of its total."""
@@ -539,7 +541,8 @@ def test_gpu_select_kernel_matches_xla_selection_64k():
     sums = jnp.asarray(gen.random((1, 32, tb, sb), np.float32) + 0.5) * jnp.tril(
         jnp.ones((tb, sb), jnp.float32))
     diag = jnp.arange(tb, dtype=jnp.int32)[None]
-    got = np.asarray(jax.jit(kernel.select_blocks_kernel)(sums, diag, 0.9))
+    got = np.asarray(jax.jit(kernel.select_blocks_kernel, static_argnames="search")(
+        sums, diag, 0.9, search=search))
     want = np.asarray(jax.jit(kernel.select_blocks)(sums, diag, 0.9))
     s = np.asarray(sums)
     assert np.mean(got == want) >= 0.999, np.mean(got == want)
