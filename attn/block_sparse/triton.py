@@ -94,9 +94,10 @@ class Config:
 
 def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
     """128 queries x 128 keys, 8 warps, 3 stages (224 KiB of shared memory at H = 128). H100,
-    N32/K8/H128 bf16 (`experiments.sweep_prefill_kernels sparse`, NOTES.md session 4): S64K at
-    density 0.1 8.81 ms (128 x 64 tiles: 9.14; 4 stages 8.91; warp specialisation +-0.5%),
-    density 1.0 71.6 ms = 1.11x dense flash's 64.6 ms. Wide heads (> 128) take 32-key steps and
+    N32/K8/H128 bf16 (`experiments.sweep_prefill_kernels sparse`, NOTES.md sessions 4-5): S64K
+    at density 0.1 8.81 ms heads fastest (128 x 64 tiles: 9.14; 4 stages 8.91; warp
+    specialisation +-0.5%), 7.63-7.82 ms KV head by KV head (the default order); density 1.0
+    69-71 ms = 1.09-1.11x dense flash. Wide heads (> 128) take 32-key steps and
     2 stages, as dense does, so the K / V stages fit in shared memory."""
     if max(head_dim, value_head_dim or head_dim) > 128:
         return Config(block_m=128, block_n=32, num_stages=2)
