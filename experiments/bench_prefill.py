@@ -336,16 +336,11 @@ ROWS = {"flash_prefill": flash_rows, "window_prefill": window_rows,
 
 def _config(text: str) -> dense_triton.Config:
     """`bm-bn-warps-stages`, then `-ws` for a warp-specialised unmasked key loop, `-wsall` for
-    every key loop warp-specialised, nothing for none; then `-flat` for one key loop a program
-    (`Config.flat_loop`; `-ws` / `-wsall` then specialise it)."""
-    bm, bn, warps, stages, *opts = text.split("-")
-    flat = opts[-1:] == ["flat"]
-    ws = opts[:-1] if flat else opts
-    if ws not in ([], ["ws"], ["wsall"]):
-        raise ValueError(f"config {text!r}: expected bm-bn-warps-stages[-ws|-wsall][-flat]")
+    every key loop warp-specialised, nothing for none."""
+    bm, bn, warps, stages, *ws = text.split("-")
     return dense_triton.Config(block_m=int(bm), block_n=int(bn), num_warps=int(warps),
                                num_stages=int(stages), warp_specialize=bool(ws),
-                               warp_specialize_masked=ws == ["wsall"], flat_loop=flat)
+                               warp_specialize_masked=ws == ["wsall"])
 
 
 def sweep_backward(args, ctx) -> None:
@@ -380,12 +375,11 @@ def sweep(args, ctx) -> None:
     ws = args.sweep_window_seq
     wq, wk, wv = _bench.qkv(1, 1, ws, n, kh, h)
     wflops = 4 * n * h * _window_pairs(ws, args.window, args.sink)
-    print(f"{'config':20} {'causal ms':>10} {'TFLOP/s':>8} {'vs cuDNN':>8} {'err':>8}"
+    print(f"{'config':16} {'causal ms':>10} {'TFLOP/s':>8} {'vs cuDNN':>8} {'err':>8}"
           f" {'window ms':>10} {'TFLOP/s':>8}", flush=True)
     for cfg in args.configs:
         name = f"{cfg.block_m}-{cfg.block_n}-{cfg.num_warps}-{cfg.num_stages}"
         name += "-wsall" if cfg.warp_specialize_masked else "-ws" if cfg.warp_specialize else ""
-        name += "-flat" if cfg.flat_loop else ""
         try:
             fn = _ours(cfg)
             out = fn(q, k, v)
@@ -393,11 +387,11 @@ def sweep(args, ctx) -> None:
             wfn = _ours(cfg, window=args.window, sinks=args.sink)
             wms = ctx.time(wfn, wq, wk, wv)
         except Exception as e:  # e.g. out of shared memory: report and go on
-            print(f"{name:20} failed: {_first_line(e)[:100]}", flush=True)
+            print(f"{name:16} failed: {_first_line(e)[:100]}", flush=True)
             continue
         ratio = f"{anchor_ms / ms:8.3f}" if anchor_ms else " " * 8
         err = f"{_bench.rel_err(out, anchor_out):8.1e}" if anchor_out is not None else " " * 8
-        print(f"{name:20} {ms:10.4f} {flops / ms / 1e9:8.1f} {ratio} {err} {wms:10.4f} "
+        print(f"{name:16} {ms:10.4f} {flops / ms / 1e9:8.1f} {ratio} {err} {wms:10.4f} "
               f"{wflops / wms / 1e9:8.1f}", flush=True)
 
 
@@ -452,8 +446,7 @@ def parse_args(argv=None, *, rows=None):
     parser.add_argument("--configs", type=lambda s: [_config(c) for c in s.split(",")],
                         default="128-64-8-3,128-64-8-2,128-64-8-4,128-128-8-2,128-128-8-3,"
                                 "128-32-8-4,64-64-4-3,256-64-16-2,128-64-4-3",
-                        help="sweep configs BLOCK_M-BLOCK_N-warps-stages[-ws|-wsall][-flat], "
-                             "comma separated")
+                        help="sweep configs BLOCK_M-BLOCK_N-warps-stages, comma separated")
     parser.add_argument("--sweep-bwd", action="store_true",
                         help="sweep the backward tiles (--bwd-configs) instead, write nothing")
     parser.add_argument("--bwd-configs", default="64-64-4-2,64-64-8-2,32-64-4-2,64-128-8-2,"

@@ -7,7 +7,7 @@
     python -m experiments.sweep_prefill_kernels conv1d [--configs 8-512-4-1,16-1024-4-1-rows,...]
 
 A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialised unmasked loop
-(block-sparse also `-hf`: programs heads fastest, `-one`: one loop for every step).
+(block-sparse also `-hf`: programs heads fastest).
 - paged: a 2K chunk over 8K and 32K prefixes, N32/K8/H128 bf16, pages of 64; anchor: our dense
   flash on a gathered copy (the `paged_prefill` row of `experiments.bench_prefill`).
 - sparse: N32/K8/H128 bf16, blocks of 128, S64K at density 0.1 and 1.0 and S128K at 0.1; anchor:
@@ -45,9 +45,8 @@ N, KH, H = 32, 8, 128
 
 
 # Config suffixes: `-ws` warp-specialised unmasked loop; block-sparse only: `-hf` programs heads
-# fastest (`kv_head_major=False`), `-one` one loop for whole and masked steps (`one_loop`).
-_FLAGS = {"ws": ("warp_specialize", True), "hf": ("kv_head_major", False),
-          "one": ("one_loop", True)}
+# fastest (`kv_head_major=False`).
+_FLAGS = {"ws": ("warp_specialize", True), "hf": ("kv_head_major", False)}
 
 
 def _parse(text: str, cls):
@@ -212,8 +211,7 @@ def main(argv=None) -> None:
     if args.kernel == "xattn":
         return xattn(args.quick)
     default = {"paged": "128-64-8-3,128-64-8-3-ws,128-128-8-3-ws,128-128-8-2",
-               "sparse": "128-128-8-3,128-128-8-3-hf,128-128-8-3-one,128-128-8-3-ws-one,"
-                         "128-128-8-3-ws,128-128-8-4",
+               "sparse": "128-128-8-3,128-128-8-3-hf,128-128-8-3-ws,128-64-8-3",
                "conv1d": "8-512-4-1,16-1024-4-1-rows,32-1024-8-1-rows,32-512-4-1-rows,"
                          "16-1024-4-1-rows-split,16-1024-8-1-rows-split,8-1024-4-1-rows-split"}
     configs = (args.configs or default[args.kernel]).split(",")

@@ -28,8 +28,8 @@ K / V without masks where the head dims need none, and the default launch is the
 forward's (3 stages instead of 2). ptxas (sm_90a, H = 128, 128 x 64 tiles, 8 warps, 3 stages):
 197 registers, no spills, 128 KiB shared memory. `block_lists` builds the lists with one
 scatter (slots from a cumulative sum) instead of a stable argsort of each of the `B N Tb` rows
-(the same lists; at S = 128K that sort is over 32M entries, inside the timed call). None of this
-was timed then (session 4 timed it: NOTES.md).
+(the same lists; at S = 128K that sort is over 32M entries, inside the timed call). Timings:
+NOTES.md, session 4.
 
 Programs are per query head (the modes are per query head, so GQA siblings may walk different
 lists), ordered KV head by KV head: the siblings of a KV head vary fastest, then the query tiles
@@ -62,7 +62,7 @@ import triton.language as tl
 from attn import _checks
 from attn._harness import triton_call
 from attn.block_sparse import reference
-from attn.dense.triton import _load
+from attn.dense.triton import _load, _masked_softmax_step, _whole_softmax_step
 from attn.dense.triton_paged import with_reference_gradient
 
 LOG2E = math.log2(math.e)
@@ -84,9 +84,6 @@ class Config:
     # Programs ordered KV head by KV head (siblings fastest); False: heads fastest (the module
     # docstring says why and what it measured).
     kv_head_major: bool = True
-    # The whole-block and masked steps in one pipelined loop (every step compares and selects).
-    # Measured slower on the H100 (S64K density 0.1 8.49 vs 7.65 ms, 1.0 79.4 vs 69.1): off.
-    one_loop: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_m", "block_n"))
@@ -145,16 +142,13 @@ def block_lists(
 
 
 @triton.jit
-def _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, first_masked,
+def _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len,
            SCALE_LOG2: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
            SB: tl.constexpr, BS: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr,
-           MIXED: tl.constexpr = False):
+           BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr):
     """Step `i` of a list walk: `BLOCK_N` keys, sub-step `i % (BS // BLOCK_N)` of the listed block
-    `j` (entry `i // (BS // BLOCK_N)`); MASKED applies the causal and length rules. MIXED (the
-    one-loop walk): the loads are bounded by the keys and the rules apply from step
-    `first_masked` on, a run-time choice. Returns the block of step `i + 1` too, loaded one step
-    ahead (see the kernel)."""
+    `j` (entry `i // (BS // BLOCK_N)`); MASKED applies the causal and length rules. Returns the
+    block of step `i + 1` too, loaded one step ahead (see the kernel)."""
     SPB: tl.constexpr = BS // BLOCK_N  # steps per block
     start = tl.multiple_of(j * BS + (i % SPB) * BLOCK_N, BLOCK_N)
     j_next = tl.load(blocks + tl.minimum((i + 1) // SPB, SB - 1))
@@ -163,32 +157,16 @@ def _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, first_masked
     offs_hv = tl.arange(0, BLOCK_HV)
     cols = start + offs_n  # [BLOCK_N] key positions
     in_kv = cols < kv_len
-    k = _load(k_base + cols[:, None] * (K * H) + offs_h[None, :], in_kv, offs_h < H,
-              MASKED or MIXED, BLOCK_H != H)
+    k = _load(k_base + cols[:, None] * (K * H) + offs_h[None, :], in_kv, offs_h < H, MASKED,
+              BLOCK_H != H)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
-    if MIXED:
-        # The rules as one compare against a per-row limit, lifted past every key on the steps
-        # before `first_masked` (a scalar `if` around the mask fails Triton 3.6's pipeliner).
-        lim = tl.minimum(pos, kv_len - 1) + tl.where(i < first_masked, 1 << 30, 0)  # [BLOCK_M]
-        s = tl.where(cols[None, :] <= lim[:, None], qk * SCALE_LOG2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m - m_use)
-    elif MASKED:
+    if MASKED:
         visible = (cols[None, :] <= pos[:, None]) & in_kv[None, :]
-        s = tl.where(visible, qk * SCALE_LOG2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m - m_use)
+        p, alpha, m_new = _masked_softmax_step(qk, m, visible, SCALE_LOG2)
     else:
-        # Every row sees the whole step: no mask, and the scale folds into one FMA.
-        m_new = tl.maximum(m, tl.max(qk, 1) * SCALE_LOG2)
-        p = tl.exp2(qk * SCALE_LOG2 - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-    v = _load(v_base + cols[:, None] * (K * HV) + offs_hv[None, :], in_kv, offs_hv < HV,
-              MASKED or MIXED, BLOCK_HV != HV)
+        p, alpha, m_new = _whole_softmax_step(qk, m, SCALE_LOG2)
+    v = _load(v_base + cols[:, None] * (K * HV) + offs_hv[None, :], in_kv, offs_hv < HV, MASKED,
+              BLOCK_HV != HV)
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -226,7 +204,6 @@ def _block_sparse_kernel(
     PRECISION: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     KV_HEAD_MAJOR: tl.constexpr = False,
-    ONE_LOOP: tl.constexpr = False,
 ):
     # The last query tiles (longest lists) first. Heads fastest: GQA siblings run together.
     # KV_HEAD_MAJOR: siblings fastest, then query tiles, then requests, then KV heads, so the
@@ -273,26 +250,15 @@ def _block_sparse_kernel(
     # overlap inside a block). The block index is loaded one step ahead and carried: a load of it
     # in the step itself makes it a second-level indirect load, for which Triton's pipeliner
     # halves the K / V prefetch distance (seen in the sm_90 TTGIR at 3 stages).
-    # ONE_LOOP: both parts in one loop, the rules applied from step `whole * SPB` on (every step
-    # pays a compare and a select per score instead), so the diagonal's steps are pipelined with
-    # the rest instead of paying a loop prologue of their own (at 128-key steps: one step).
     SPB: tl.constexpr = BS // BLOCK_N
     j = tl.load(blocks)
-    if ONE_LOOP:
-        for i in tl.range(0, count * SPB, warp_specialize=WARP_SPECIALIZE):
-            acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len,
-                                  whole * SPB, SCALE_LOG2, K, H, HV, SB, BS, True, BLOCK_N,
-                                  BLOCK_H, BLOCK_HV, PRECISION, True)
-    else:
-        for i in tl.range(0, whole * SPB, warp_specialize=WARP_SPECIALIZE):  # seen whole
-            acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, 0,
-                                  SCALE_LOG2, K, H, HV, SB, BS, False, BLOCK_N, BLOCK_H,
-                                  BLOCK_HV, PRECISION)
-        j = tl.load(blocks + tl.minimum(whole, SB - 1))
-        for i in range(whole * SPB, count * SPB):  # the diagonal and the length tail: masks
-            acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, 0,
-                                  SCALE_LOG2, K, H, HV, SB, BS, True, BLOCK_N, BLOCK_H,
-                                  BLOCK_HV, PRECISION)
+    for i in tl.range(0, whole * SPB, warp_specialize=WARP_SPECIALIZE):  # seen whole: no mask
+        acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, SCALE_LOG2,
+                              K, H, HV, SB, BS, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+    j = tl.load(blocks + tl.minimum(whole, SB - 1))
+    for i in range(whole * SPB, count * SPB):  # the diagonal and the length tail: token masks
+        acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, SCALE_LOG2,
+                              K, H, HV, SB, BS, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
 
     empty = (l == 0.0) | (toks >= q_len)
     safe_l = tl.where(empty, 1.0, l)
@@ -334,7 +300,7 @@ def _launch(q, k, v, blocks, count, whole, q_lengths, kv_lengths, *, scale, bloc
         BLOCK_HV=max(16, triton.next_power_of_2(hv)),
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8,
-        KV_HEAD_MAJOR=config.kv_head_major, ONE_LOOP=config.one_loop,
+        KV_HEAD_MAJOR=config.kv_head_major,
     )
 
 

@@ -11,11 +11,7 @@ Key tiles visited by a program whose rows sit at positions `[q_lo, q_hi]` (causa
 the sink tiles `[0, sinks)`, then `[q_lo - window + 1, min(q_hi + 1, kv_len))`. Only the tiles that
 some row sees only partly run with a mask (window edge, causal diagonal, key-length tail, sinks);
 the tiles every row sees whole run without one. A 4K window at 64K keys thus costs ~4K keys of work
-per row, and causal prefill stops at the diagonal. The forward walks these as four loops, or
-(`Config.flat_loop`) as one loop that masks its partly-seen steps behind a run-time branch: on
-the H100 that one loop measured 10-12% slower (S8K causal 1.24-1.25 ms against 1.10-1.12, 0.80x
-cuDNN against 0.89-0.91x; S64K window 9.86-9.95 against 9.33-9.35; NOTES.md session 5), so the
-four loops are the default.
+per row, and causal prefill stops at the diagonal.
 
 Backward (FlashAttention-2, recomputing from the saved lse): `delta = rowsum(dO * O) - dlse` in
 XLA, then one kernel for dQ (same programs and key tiles as the forward) and one for dK / dV (one
@@ -66,13 +62,6 @@ class Config:
     # only (Triton 3.6 does not compile it with 4). `warp_specialize_masked`: the masked loops too.
     warp_specialize: bool = True
     warp_specialize_masked: bool = False
-    # One pipelined key loop per program over all its tiles (sinks, then window edge to
-    # diagonal), masking only the steps that need it (a run-time branch per step), instead of
-    # four loops of which the masked ones are mostly a single tile whose loads nothing overlaps.
-    # It carries `warp_specialize`. Same tiles in the same order; the values match the four
-    # loops' up to the FMA rounding of the masked steps (bit for bit in the interpreter).
-    # Measured slower (module docstring): an experiment, off.
-    flat_loop: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(
@@ -117,6 +106,26 @@ def _visible(c, p, kv_len, win, sinks, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _masked_softmax_step(qk, m, visible, SCALE_LOG2: tl.constexpr):
+    """One online-softmax step over a tile some rows see only partly: `(p, alpha, m_new)`, with
+    `p = 2^(s - m_new)` of the scaled scores `s` (-inf where not `visible`), `alpha` the rescale
+    of the old sums, `m_new` the running max. A row that has seen nothing yet keeps p = 0 and
+    alpha = 1 (its max stays -inf)."""
+    s = tl.where(visible, qk * SCALE_LOG2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
+    return tl.exp2(s - m_use[:, None]), tl.exp2(m - m_use), m_new
+
+
+@triton.jit
+def _whole_softmax_step(qk, m, SCALE_LOG2: tl.constexpr):
+    """`_masked_softmax_step` for a tile every row sees whole: no mask, and the scale folds into
+    the exponent's FMA."""
+    m_new = tl.maximum(m, tl.max(qk, 1) * SCALE_LOG2)
+    return tl.exp2(qk * SCALE_LOG2 - m_new[:, None]), tl.exp2(m - m_new), m_new
+
+
+@triton.jit
 def _key_tiles(q_lo, q_hi, kv_len, window, sinks, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key ranges (multiples of BLOCK_N) of a query tile at positions `[q_lo, q_hi]`.
 
@@ -140,26 +149,6 @@ def _key_tiles(q_lo, q_hi, kv_len, window, sinks, CAUSAL: tl.constexpr, BLOCK_N:
     full_lo = tl.minimum(tl.maximum(full_lo, main_lo), end)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
     return win, sink_end, main_lo, full_lo, full_hi, end
-
-
-@triton.jit
-def _fwd_scores(qk, m, cols, pos, kv_len, win, sinks, SCALE_LOG2: tl.constexpr,
-                CAUSAL: tl.constexpr, MASKED: tl.constexpr):
-    """One key tile's online-softmax step: `p = 2^(s - m_new)` [BLOCK_M, BLOCK_N], the rescale
-    `alpha` of the old sums and the new running max, from the raw scores `qk`."""
-    if MASKED:
-        visible = _visible(cols[None, :], pos[:, None], kv_len, win, sinks, CAUSAL)
-        s = tl.where(visible, qk * SCALE_LOG2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m - m_use)
-    else:
-        # Every row sees the whole tile: no mask, and the scale folds into one FMA.
-        m_new = tl.maximum(m, tl.max(qk, 1) * SCALE_LOG2)
-        p = tl.exp2(qk * SCALE_LOG2 - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-    return p, alpha, m_new
 
 
 @triton.jit
@@ -201,8 +190,11 @@ def _fwd_visit(
         in_kv = cols < kv_len
         k = _load(k_ptrs, in_kv, mask_h, MASKED, BLOCK_H != H)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
-        p, alpha, m_new = _fwd_scores(qk, m, cols, pos, kv_len, win, sinks, SCALE_LOG2, CAUSAL,
-                                      MASKED)
+        if MASKED:
+            visible = _visible(cols[None, :], pos[:, None], kv_len, win, sinks, CAUSAL)
+            p, alpha, m_new = _masked_softmax_step(qk, m, visible, SCALE_LOG2)
+        else:
+            p, alpha, m_new = _whole_softmax_step(qk, m, SCALE_LOG2)
         v = _load(v_ptrs, in_kv, mask_hv, MASKED, BLOCK_HV != HV)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -212,74 +204,7 @@ def _fwd_visit(
 
 
 @triton.jit
-def _fwd_visit_flat(
-    acc,
-    l,
-    m,
-    q,
-    k_base,
-    v_base,
-    pos,
-    sink_end,  # sink tiles [0, sink_end), then [main_lo, end): one loop over both
-    main_lo,
-    end,
-    sink_full,  # sink tiles below it, and [full_lo, full_hi), are seen whole by every row
-    full_lo,
-    full_hi,
-    kv_len,
-    win,
-    sinks,
-    SCALE_LOG2: tl.constexpr,
-    K: tl.constexpr,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HV: tl.constexpr,
-    PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,
-):
-    """`_fwd_visit` over every key tile of the program in one pipelined loop (`m` must start at
-    -FLT_MAX, not -inf): step `i` is key tile `i` below `sink_end`, then `i + main_lo -
-    sink_end`. A scalar branch masks the scores of the steps some row sees only partly (only
-    the `tl.where`: a branch over the whole softmax update fails Triton 3.6's pipeliner); every
-    step then takes the unmasked update, whose FMA the masked steps now share (the four-loop
-    form rounds `s * scale` before subtracting the max there). Loads always carry the key-length
-    row predicate: [BLOCK_N] compares a step, against the [BLOCK_M, BLOCK_N] mask saved."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_hv = tl.arange(0, BLOCK_HV)
-    mask_h = offs_h < H
-    mask_hv = offs_hv < HV
-    gap = main_lo - sink_end
-    for i in tl.range(0, end - gap, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        start = tl.where(i < sink_end, i, i + gap)
-        start = tl.multiple_of(start, BLOCK_N)
-        cols = start + offs_n
-        k_ptrs = k_base + cols[:, None] * (K * H) + offs_h[None, :]
-        v_ptrs = v_base + cols[:, None] * (K * HV) + offs_hv[None, :]
-        in_kv = cols < kv_len
-        k = _load(k_ptrs, in_kv, mask_h, True, BLOCK_H != H)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if ((start >= sink_full) & (start < full_lo)) | (start >= full_hi):
-            # Masked step: hide the scores; the unmasked update below then gives the masked
-            # one's values (the caller starts `m` at -FLT_MAX, so a row that has seen nothing
-            # keeps alpha = 1, p = 0 instead of 2^(-inf + inf)).
-            qk = tl.where(_visible(cols[None, :], pos[:, None], kv_len, win, sinks, CAUSAL), qk,
-                          float("-inf"))
-        p, alpha, m_new = _fwd_scores(qk, m, cols, pos, kv_len, win, sinks, SCALE_LOG2, CAUSAL,
-                                      False)
-        v = _load(v_ptrs, in_kv, mask_hv, True, BLOCK_HV != HV)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        m = m_new
-    return acc, l, m
-
-
-@triton.jit
-def _fwd_program(
+def _flash_fwd_kernel(
     q_ptr,  # [B, T, N, H]
     k_ptr,  # [B, S, K, H]
     v_ptr,  # [B, S, K, HV]
@@ -304,11 +229,9 @@ def _fwd_program(
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-    WS_MASKED: tl.constexpr,
-    FLAT: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
+    WS_MASKED: tl.constexpr = False,
 ):
-    """One program of the forward (`FLAT`: `_fwd_visit_flat`, else four `_fwd_visit` loops)."""
     # Heads vary fastest (programs in flight share K/V in L2); the last query tiles, which see
     # the most keys under a causal mask, start first so the short ones fill the tail.
     pid = tl.program_id(0)
@@ -341,35 +264,22 @@ def _fwd_program(
     k_base = k_ptr + b.to(tl.int64) * (S * K * H) + kh * H
     v_base = v_ptr + b.to(tl.int64) * (S * K * HV) + kh * HV
 
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
-    if FLAT:
-        m = tl.full([BLOCK_M], -3.4028234663852886e38, tl.float32)
-        # Sink tiles every row sees whole (below the sinks, the key length and, causal, the
-        # first row's position) run unmasked too.
-        sink_full = tl.minimum(sinks, kv_len)
-        if CAUSAL:
-            sink_full = tl.minimum(sink_full, q_lo + 1)
-        sink_full = tl.minimum(tl.maximum(sink_full, 0) // BLOCK_N * BLOCK_N, sink_end)
-        acc, l, m = _fwd_visit_flat(acc, l, m, q, k_base, v_base, pos, sink_end, main_lo, end,
-                                    sink_full, full_lo, full_hi, kv_len, win, sinks, SCALE_LOG2,
-                                    K, H, HV, CAUSAL, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION,
-                                    WARP_SPECIALIZE)
-    else:
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        # Sink tiles, the window's lower edge, the tiles every row sees whole, the diagonal.
-        acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, 0, sink_end, kv_len, win,
-                               sinks, SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H,
-                               BLOCK_HV, PRECISION, WS_MASKED)
-        acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, main_lo, full_lo, kv_len, win,
-                               sinks, SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H,
-                               BLOCK_HV, PRECISION, WS_MASKED)
-        acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_lo, full_hi, kv_len, win,
-                               sinks, SCALE_LOG2, K, H, HV, CAUSAL, False, BLOCK_N, BLOCK_H,
-                               BLOCK_HV, PRECISION, WARP_SPECIALIZE)
-        acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_hi, end, kv_len, win,
-                               sinks, SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H,
-                               BLOCK_HV, PRECISION, WS_MASKED)
+    # Sink tiles, the window's lower edge, the tiles every row sees whole, the causal diagonal.
+    acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, 0, sink_end, kv_len, win, sinks,
+                           SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
+                           PRECISION, WS_MASKED)
+    acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, main_lo, full_lo, kv_len, win,
+                           sinks, SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
+                           PRECISION, WS_MASKED)
+    acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_lo, full_hi, kv_len, win,
+                           sinks, SCALE_LOG2, K, H, HV, CAUSAL, False, BLOCK_N, BLOCK_H, BLOCK_HV,
+                           PRECISION, WARP_SPECIALIZE)
+    acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_hi, end, kv_len, win, sinks,
+                           SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
+                           PRECISION, WS_MASKED)
 
     empty = l == 0.0
     safe_l = tl.where(empty, 1.0, l)
@@ -378,36 +288,6 @@ def _fwd_program(
     tl.store(o_ptr + q_rows[:, None] * HV + offs_hv[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (offs_hv < HV)[None, :])
     tl.store(lse_ptr + q_rows, lse, mask=row_ok)
-
-
-@triton.jit
-def _flash_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, offset_ptr, len_ptr, window_ptr, sink_ptr, o_ptr, lse_ptr,
-    SCALE_LOG2: tl.constexpr, B: tl.constexpr, T: tl.constexpr, S: tl.constexpr,
-    K: tl.constexpr, G: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, CAUSAL: tl.constexpr,
-    NUM_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
-    WS_MASKED: tl.constexpr = False,
-):
-    """The forward as four key loops a program (arguments as `_fwd_program`)."""
-    _fwd_program(q_ptr, k_ptr, v_ptr, offset_ptr, len_ptr, window_ptr, sink_ptr, o_ptr, lse_ptr,
-                 SCALE_LOG2, B, T, S, K, G, H, HV, CAUSAL, NUM_M, BLOCK_M, BLOCK_N, BLOCK_H,
-                 BLOCK_HV, PRECISION, WARP_SPECIALIZE, WS_MASKED, False)
-
-
-@triton.jit
-def _flash_fwd_flat_kernel(
-    q_ptr, k_ptr, v_ptr, offset_ptr, len_ptr, window_ptr, sink_ptr, o_ptr, lse_ptr,
-    SCALE_LOG2: tl.constexpr, B: tl.constexpr, T: tl.constexpr, S: tl.constexpr,
-    K: tl.constexpr, G: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, CAUSAL: tl.constexpr,
-    NUM_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
-):
-    """The forward as one key loop a program (`Config.flat_loop`; arguments as
-    `_fwd_program`)."""
-    _fwd_program(q_ptr, k_ptr, v_ptr, offset_ptr, len_ptr, window_ptr, sink_ptr, o_ptr, lse_ptr,
-                 SCALE_LOG2, B, T, S, K, G, H, HV, CAUSAL, NUM_M, BLOCK_M, BLOCK_N, BLOCK_H,
-                 BLOCK_HV, PRECISION, WARP_SPECIALIZE, False, True)
 
 
 @triton.jit
@@ -707,12 +587,9 @@ def _forward(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, con
     dims = _shapes(q, k, v)
     b, t, n, _ = q.shape
     num_m = triton.cdiv(t * dims["G"], config.block_m)
-    ws = config.warp_specialize and config.num_warps >= 8
-    flags = (dict(WARP_SPECIALIZE=ws) if config.flat_loop else
-             dict(WARP_SPECIALIZE=ws, WS_MASKED=config.warp_specialize_masked and ws))
     return triton_call(
         q, k, v, q_offset, kv_lengths, window, sinks,
-        kernel=_flash_fwd_flat_kernel if config.flat_loop else _flash_fwd_kernel,
+        kernel=_flash_fwd_kernel,
         out_shape=(
             jax.ShapeDtypeStruct((b, t, n, dims["HV"]), q.dtype),
             jax.ShapeDtypeStruct((b, t, n), jnp.float32),
@@ -721,7 +598,8 @@ def _forward(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, con
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         SCALE_LOG2=scale * LOG2E, CAUSAL=causal, NUM_M=num_m, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, **flags, **dims,
+        BLOCK_N=config.block_n, WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8,
+        WS_MASKED=config.warp_specialize_masked and config.num_warps >= 8, **dims,
     )
 
 

@@ -38,7 +38,7 @@ import triton.language as tl
 from attn import _checks
 from attn._harness import triton_call
 from attn.dense import reference
-from attn.dense.triton import _key_tiles, _visible
+from attn.dense.triton import _key_tiles, _masked_softmax_step, _visible
 
 LOG2E = math.log2(math.e)
 _MAX_HEAD_DIM = 256
@@ -169,10 +169,7 @@ def _paged_visit(
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
         if MASKED:
             visible = ok[None, :] & _visible(cols[None, :], pos[:, None], kv_len, win, sinks, True)
-            s = tl.where(visible, qk * SCALE_LOG2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
-            p = tl.exp2(s - m_use[:, None])
+            p, alpha, m_new = _masked_softmax_step(qk, m, visible, SCALE_LOG2)
         elif PAGE_TILES:
             # Every row sees the whole tile unless its page is -1 (K, V loaded as 0): such a tile
             # leaves m alone and gets p = 2^(s - inf) = 0. Per-row terms, no select per score, so
@@ -180,12 +177,9 @@ def _paged_visit(
             m_new = tl.where(page_ok, tl.maximum(m, tl.max(qk, 1) * SCALE_LOG2), m)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # -1 pages only, so far
             p = tl.exp2(qk * SCALE_LOG2 - (m_use + tl.where(page_ok, 0.0, float("inf")))[:, None])
+            alpha = tl.exp2(m - m_use)
         else:  # every row sees the tile's positions; only unallocated pages drop out
-            s = tl.where(ok[None, :], qk * SCALE_LOG2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m - m_use)
+            p, alpha, m_new = _masked_softmax_step(qk, m, ok[None, :], SCALE_LOG2)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
