@@ -429,6 +429,12 @@ def test_chunked_speed_options_bf16_varlen_with_states(opts):
     headroom, about 8 truncation units; a wrong chunk, head, boundary or decay gives O(1). The
     option must also stay within 2.5x PLAIN's error on the same data (+ 2e-3 for the
     one-token sequence's noise)."""
+    check_option_bf16_varlen_with_states(opts)
+
+
+def check_option_bf16_varlen_with_states(opts):
+    """`test_chunked_speed_options_bf16_varlen_with_states` for the options `opts` on top of
+    PLAIN (also used by tests/gdn for later options)."""
     gen = rng()
     lens = [1, 70, 0, 64]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)

@@ -10,7 +10,6 @@ recurrence (float32 within 1e-5; bf16 varlen with states, the PLAIN-relative bou
 """
 
 import dataclasses
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,7 @@ from tests.attn.test_gdn_triton import (
     _check_at_model_dims,
     _chunk_problem,
     _recurrent64,
-    _rel_norm,
+    check_option_bf16_varlen_with_states,
 )
 from tests.utils import assert_close, case_id, rng
 
@@ -104,22 +103,7 @@ def test_option_bf16_varlen_with_states(opts):
     `test_chunked_speed_options_bf16_varlen_with_states`). `store_qn` rounds the normalised
     queries to bf16 where PLAIN's TF32 output dots kept them float32: one more rounding of one
     operand. An empty sequence keeps its state exactly."""
-    xs, h0, cu = _varlen_problem(jnp.bfloat16)
-    (o, final), (o_base, final_base) = (_run(xs, h0, dataclasses.replace(PLAIN, **opts), cu),
-                                        _run(xs, h0, PLAIN, cu))
-    assert o.dtype == jnp.bfloat16 and final.dtype == jnp.float32
-    for i, (lo, hi) in enumerate(itertools.pairwise(cu)):
-        o64, final64 = _recurrent64(*(x[:, lo:hi] for x in xs), h0[i:i + 1])
-        pairs = [("final", final[i:i + 1], final_base[i:i + 1], final64)]
-        if hi > lo:
-            pairs.append(("o", o[:, lo:hi], o_base[:, lo:hi], o64))
-        else:
-            np.testing.assert_array_equal(np.asarray(final[i]), np.asarray(h0[i]))
-        for name, got, base, exp in pairs:
-            err, base_err = _rel_norm(got, exp), _rel_norm(base, exp)
-            assert err <= 3e-2, f"sequence {i} {name}: relative error {err:.3g}"
-            assert err <= 2.5 * base_err + 2e-3, (
-                f"sequence {i} {name}: {err:.3g} against PLAIN's {base_err:.3g}")
+    check_option_bf16_varlen_with_states(opts)
 
 
 def test_option_validation():
