@@ -33,10 +33,11 @@ bf16 output dots (`out_bf16`), the state update's decay on V_new (`decay_on_v`),
 tiles (`i32_offsets`), normalised keys stored once (`store_kn`), table-free chunk addressing in
 the sequential loop (`affine_state`), the state kernel's own warps / stages, and `fuse_output`:
 the output written by the state kernel (no per-chunk states or V_new in HBM, no third kernel).
-Session 5 (off by default, untimed; bitwise the defaults' results in the interpreter): each state
-step's loads issued together (`state_prefetch`), the grids' launch orders (`state_slice_major`,
+Session 5 (each bitwise the other options' results in the interpreter): each state step's loads
+issued together (`state_prefetch`, untimed), the grids' launch orders (`state_slice_major`,
 `intra_head_major`), P made by the state kernel (`qk_in_state`), the normalised queries stored
-once (`store_qn`); bytes and latencies per kernel in the comment above `default_config`.
+once (`store_qn`); `default_config` turns on the combinations that measured fastest. Bytes and
+latencies per kernel in the comment above `default_config`.
 `experiments/profile_gdn_chunk.py` times the kernels one by one for any of them (`--variants`).
 
 Supports: any B, T, Nk | Nv, H and Hv (padded to powers of two >= 16 and masked), initial and
@@ -112,11 +113,12 @@ class Config:
     # (the largest intermediate, written and read once each) and V_new never reach HBM. The
     # output's dots follow `out_bf16`; they sit off the sequential S chain but in its loop.
     fuse_output: bool = False
-    # Session-5 options (default off; byte / latency arithmetic in the comment above
-    # `default_config`). `state_prefetch`: the state kernel's chunk loop with every global load
-    # of a step issued together at its top, not each right before its dot. Same arithmetic in
-    # the same order. Triton already software-pipelines the loop's loads a chunk ahead (async
-    # copies to shared memory; `num_stages` / `state_stages` deep), so expect ~no change.
+    # Session-5 options (off in `Config()`, on in `default_config` where they measured faster;
+    # byte / latency arithmetic in the comment above `default_config`). `state_prefetch`: the
+    # state kernel's chunk loop with every global load of a step issued together at its top,
+    # not each right before its dot. Same arithmetic in the same order. Triton already
+    # software-pipelines the loop's loads a chunk ahead (async copies to shared memory;
+    # `num_stages` / `state_stages` deep), so expect ~no change.
     state_prefetch: bool = False
     # State grid `(slices, Nv, Ns)`, not `(Ns, Nv, slices)`: the value slices of one head (which
     # read the same W, K, Q, P) and the two heads of a key head launch next to one another, so
@@ -777,7 +779,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_qk_l2nor
 NUM_SMS = 132  # H100 / H200 SXM
 
 # Bytes, dots and floors at B1 T32K (Nk16 Nv32 H = Hv = 128, bf16 q / k / v, l2-norm, no initial
-# state; `default_config`: fused, 32-wide state slices, 4 warps; counts from
+# state; session 4's `default_config`: fused, 32-wide state slices, 4 warps; counts from
 # `experiments.profile_gdn_chunk.cost`, registers / shared memory from its `--ptxas`; HBM
 # 3.0 TB/s; times measured in session 4, benchmarks/NOTES.md runs 6-7 and 10).
 #
