@@ -23,7 +23,6 @@ A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialise
 from __future__ import annotations
 
 import argparse
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -136,9 +135,8 @@ def xattn(quick):
                 ("fp8 256x128", C(fp8=True, block_k=128, block_r=256)),
                 ("fp8 128x256 s2", C(fp8=True, block_k=128, block_c=256, num_stages=2)),
                 ("fp8 k128 s4", C(fp8=True, block_k=128, num_stages=4)),
-                ("fp8 k128 xla-sel", C(fp8=True, block_k=128, selection="xla")),
-                ("fp8 k128 search", C(fp8=True, block_k=128, selection="search")),
-                ("bf16 xla-sel", C(selection="xla"))]
+                ("fp8 k128 xla-sel", C(fp8=True, block_k=128, select_xla=True)),
+                ("bf16 xla-sel", C(select_xla=True))]
     for s in seqs:
         q, k, _ = _bench.qkv(s + 7, 1, s, n, kh, h)
         base = None
@@ -153,16 +151,13 @@ def xattn(quick):
             print(f"S{s} {name:12} {ms:8.3f} ms  {base[0] / ms:5.2f}x bf16  mask agreement "
                   f"{agree:.4f}  block-sum rel err {_bench.rel_err(sums, base[1]):.1e}",
                   flush=True)
-        # The selection alone (XLA, on the bf16 sums): the reference's two sorts vs one.
+        # The selection alone (on the bf16 sums): the reference's XLA sorts vs the kernel.
         sums = base[1]
         tb = sums.shape[2]
         diag = sparse_ref.diagonal_blocks(tb, jnp.full((1,), s, jnp.int32),
                                           jnp.full((1,), s, jnp.int32), 128 if not quick else 16)
         for name, select in (("find_blocks", xattn_ref.find_blocks),
-                             ("select_blocks", xattn_triton.select_blocks),
-                             ("kernel sort", xattn_triton.select_blocks_kernel),
-                             ("kernel search", functools.partial(
-                                 xattn_triton.select_blocks_kernel, search=True))):
+                             ("kernel", xattn_triton.select_blocks_kernel)):
             fn = jax.jit(lambda x, d, select=select: select(x, d, 0.9))
             agree = float(jnp.mean(fn(sums, diag) == base[2]))
             print(f"S{s} selection {name:14} {_time(fn, sums, diag, quick=quick):8.3f} ms  "

@@ -1,6 +1,6 @@
 """Triton XAttention estimate: antidiagonal strided scores, causal softmax per reduced row and
-block sums in two kernels; the threshold selection stays in XLA (`select_blocks`: the reference's
-`find_blocks` with one sort instead of two).
+block sums in two kernels, then the threshold selection in a third (`select_blocks_kernel`: the
+reference's `find_blocks` rule found by bisection, no sort).
 
 The scores are one GEMM on the reduced matrices, `A = q_r k_rᵀ` with `q_r [T/st, st·H]` (row `m`
 is `concat_i q[m·st + st-1-i]`) and `k_r [S/st, st·H]` (row `c` is `concat_i k[c·st + i]`), so
@@ -69,6 +69,7 @@ import triton.language as tl
 from attn import _checks
 from attn._harness import triton_call
 from attn.block_sparse.reference import _cdiv, _lengths, diagonal_blocks
+from attn.xattention import reference
 from attn.xattention.reference import dequantize_e4m3, quantize_e4m3  # noqa: F401 (tests)
 
 LOG2E = math.log2(math.e)
@@ -107,17 +108,12 @@ class Config:
     fp8: bool = False
     # The K loop warp-specialised (Triton's Hopper pass; >= 8 warps). Off until timed.
     warp_specialize: bool = False
-    # The threshold selection: "search" / "sort", a Triton kernel (`select_blocks_kernel`:
-    # float32 sums in the kernel's order, the kept set by a bisection or a sort), or "xla"
-    # (`select_blocks`, the reference's mask exactly). H100, N32, 512 / 1024 key blocks
-    # (S64K / S128K at block 128): search 0.195 / 0.516 ms, sort 0.269 / 1.418, XLA 0.469 /
-    # 1.937, the same masks on near-uniform random masses.
-    selection: str = "search"
+    # The threshold selection in XLA (`reference.find_blocks`, two sorts) instead of the
+    # kernel (`select_blocks_kernel`: the same rule, float32 sums in the kernel's order).
+    select_xla: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_r", "block_c", "block_k"))
-        if self.selection not in ("sort", "search", "xla"):
-            raise ValueError(f"selection={self.selection!r}: expected 'sort', 'search' or 'xla'")
         if self.scratch_bytes <= 0:
             raise ValueError(f"scratch_bytes={self.scratch_bytes} must be positive")
         if self.fp8 and self.block_k < 32:  # an fp8 MMA reduces over 32 elements
@@ -441,23 +437,19 @@ def _select_kernel(
     TB: tl.constexpr,
     SB: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    SEARCH: tl.constexpr,
 ):
-    """`select_blocks` for one row. The candidates (neither forced nor padding) ranked by mass
-    descending, index ascending; the first `n` whose preceding mass (after the forced blocks')
-    is below the requirement are kept. Two ways to find them:
+    """`reference.find_blocks` for one row, without a sort. The rule: the candidates (neither
+    forced nor padding) ranked by mass descending, index ascending; the first whose preceding
+    mass (after the forced blocks') is below the requirement are kept.
 
-    - sort (SEARCH False): one in-register sort of 64-bit keys (mass bits above, `BLOCK_S - 1 -
-      j` below: all distinct), forced and padding blocks as negative keys after every candidate;
-      a running sum over the sorted masses gives `n`, and a block is kept iff its key is at
-      least the `n`-th's.
-    - search (SEARCH True): no sort. Masses are >= 0, so their float bits order as the masses.
-      With `M(u)` the mass of the candidates whose bits exceed `u`, the first block of a mass
-      class `u` has `forced + M(u)` before it, so some of the class is kept iff that is below
-      the requirement, which holds for every `u` from some `u*` on: 31 bisection steps (each a
-      masked row sum) find `u*`. Every candidate above `u*` is kept (its whole class fits, as
-      `M(u* ... )` is monotone), and of the class at `u*` the first `t` by index with
-      `forced + M(u*) + t·m` below the requirement.
+    Masses are >= 0, so their float bits order as the masses. With `M(u)` the mass of the
+    candidates whose bits exceed `u`, the first block of a mass class `u` has `forced + M(u)`
+    before it, so some of the class is kept iff that is below the requirement, which holds for
+    every `u` from some `u*` on (M is non-increasing): 31 bisection steps, each a masked row sum,
+    find `u*`. Every candidate above `u*` is kept: for its class `u > u*` (c blocks of mass m)
+    the condition holds at `u - 1`, and `M(u - 1) = M(u) + c·m` bounds its last block's
+    preceding mass. Of the class at `u*`, the first `t` by index with `forced + M(u*) + t·m`
+    below the requirement are kept.
     """
     row = tl.program_id(0)
     d = tl.load(diag_ptr + (row // NTB) * TB + row % TB)
@@ -468,41 +460,31 @@ def _select_kernel(
     forced_mass = tl.sum(tl.where(forced, x, 0.0), 0)
     last = forced | (j >= SB)  # ranked after every candidate, carrying no mass
     other = tl.where(last, 0.0, x)
-    if SEARCH:
-        bits = other.to(tl.int32, bitcast=True)  # masses >= 0: bits order as values
-        lo = tl.full([], -1, tl.int64)  # the kept-class condition fails at lo (or lo = -1)
-        hi = tl.full([], 0x7FFFFFFF, tl.int64)  # and holds at hi (int64: hi - lo overflows)
-        for _ in tl.static_range(31):
-            mid = lo + (hi - lo) // 2
-            fits = forced_mass + tl.sum(tl.where(bits > mid, other, 0.0), 0) < required
-            hi = tl.where(fits, mid, hi)
-            lo = tl.where(fits, lo, mid)
-        hi = hi.to(tl.int32)
-        tie = (bits == hi) & ~last
-        m = tl.max(tl.where(tie, other, 0.0), 0)
-        t = tl.cumsum(tie.to(tl.int32), 0) - 1  # rank among the class by index
-        above = forced_mass + tl.sum(tl.where(bits > hi, other, 0.0), 0)
-        keep_tie = tie & (above + t.to(tl.float32) * m < required)
-        keep = forced | (~last & (bits > hi)) | keep_tie
-    else:
-        bits64 = other.to(tl.int32, bitcast=True).to(tl.int64)
-        key = tl.where(last, -1 - j.to(tl.int64), (bits64 << 32) | (BLOCK_S - 1 - j).to(tl.int64))
-        ranked = tl.sort(key, descending=True)
-        mass = tl.where(ranked >= 0, (ranked >> 32).to(tl.int32).to(tl.float32, bitcast=True),
-                        0.0)
-        before = forced_mass + tl.cumsum(mass, 0) - mass  # mass kept before each ranked block
-        n = tl.sum((before < required).to(tl.int32), 0)  # `before` is non-decreasing: a prefix
-        kth = tl.max(tl.where(j == n - 1, ranked, -(1 << 62)), 0)  # the n-th ranked key
-        keep = forced | ((n > 0) & (key >= kth))
+    bits = other.to(tl.int32, bitcast=True)  # masses >= 0: bits order as values
+    lo = tl.full([], -1, tl.int64)  # the kept-class condition fails at lo (or lo = -1)
+    hi = tl.full([], 0x7FFFFFFF, tl.int64)  # and holds at hi (int64: hi - lo overflows int32)
+    for _ in tl.static_range(31):
+        mid = lo + (hi - lo) // 2
+        fits = forced_mass + tl.sum(tl.where(bits > mid, other, 0.0), 0) < required
+        hi = tl.where(fits, mid, hi)
+        lo = tl.where(fits, lo, mid)
+    hi = hi.to(tl.int32)
+    tie = (bits == hi) & ~last
+    m = tl.max(tl.where(tie, other, 0.0), 0)
+    t = tl.cumsum(tie.to(tl.int32), 0) - 1  # rank among the class by index
+    above = forced_mass + tl.sum(tl.where(bits > hi, other, 0.0), 0)
+    keep = forced | (~last & (bits > hi)) | (tie & (above + t.to(tl.float32) * m < required))
     tl.store(out_ptr + row.to(tl.int64) * SB + j, (keep & (j <= d)).to(tl.int8), mask=j < SB)
 
 
-def select_blocks_kernel(block_sums, diagonal, threshold, *, search: bool = False):
-    """`select_blocks` in one Triton program per (request, head, query tile) row, by a sort or
-    (`search`) a bisection over the mass bits (see `_select_kernel`). The same ranking; the row
-    total and the running masses are float32 sums in the kernel's order, so a block whose
-    preceding mass sits within rounding of the requirement may go the other way (bit for bit
-    the reference's mask where the sums are exact, e.g. integer masses)."""
+def select_blocks_kernel(block_sums, diagonal, threshold):
+    """`reference.find_blocks` in one Triton program per (request, head, query tile) row (see
+    `_select_kernel`). The same rule; the row total and the masses above the cut are float32
+    sums in the kernel's order, so a block whose preceding mass sits within rounding of the
+    requirement may go the other way (bit for bit the reference's mask where the sums are exact,
+    e.g. integer masses). H100, N32, 512 / 1024 key blocks (S64K / S128K at block 128): 0.195 /
+    0.516 ms, against 0.469 / 1.937 for XLA sorting once and ~0.53 / 2.4 for the reference's two
+    sorts (an in-register sort of packed 64-bit keys, tried first, took 0.269 / 1.418)."""
     b, n, tb, sb = block_sums.shape
     tau = jnp.reshape(jnp.asarray(threshold, jnp.float32), (1,))
     out = triton_call(
@@ -512,36 +494,9 @@ def select_blocks_kernel(block_sums, diagonal, threshold, *, search: bool = Fals
         grid=(b * n * tb,),
         num_warps=4 if sb > 256 else 2,
         num_stages=1,
-        NTB=n * tb, TB=tb, SB=sb, BLOCK_S=max(16, triton.next_power_of_2(sb)), SEARCH=search,
+        NTB=n * tb, TB=tb, SB=sb, BLOCK_S=max(16, triton.next_power_of_2(sb)),
     )
     return out.reshape(b, n, tb, sb).astype(bool)
-
-
-def select_blocks(block_sums, diagonal, threshold):
-    """`reference.find_blocks` with one sort instead of two, the same mask bit for bit.
-
-    The reference keeps a prefix of each row's blocks ranked by (mass descending, index
-    ascending): the first `n` whose preceding mass is below the requirement. Ranks are unique, so
-    block `i` is in that prefix iff its (sort key, index) is at most the `n`-th ranked block's,
-    a compare against one gathered entry per row instead of the inverse permutation's argsort
-    and gather (at S64K, N32 a row is 512 blocks and there are 16K rows).
-    """
-    x = block_sums.astype(jnp.float32)
-    j = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    d = diagonal[:, None, :, None]
-    forced = (j == 0) | (j == d)
-    required = threshold * jnp.sum(x, axis=-1, keepdims=True)
-    forced_mass = jnp.sum(jnp.where(forced, x, 0.0), axis=-1, keepdims=True)
-    other = jnp.where(forced, 0.0, x)
-    key = jnp.where(forced, jnp.inf, -other)
-    order = jnp.argsort(key, axis=-1, stable=True)
-    ranked = jnp.take_along_axis(other, order, axis=-1)
-    before = forced_mass + jnp.cumsum(ranked, axis=-1) - ranked
-    n = jnp.sum(before < required, axis=-1, keepdims=True)  # `before` is non-decreasing
-    last = jnp.take_along_axis(order, jnp.maximum(n - 1, 0), axis=-1)  # the n-th ranked block
-    last_key = jnp.take_along_axis(key, last, axis=-1)
-    keep = (n > 0) & ((key < last_key) | ((key == last_key) & (j <= last)))
-    return (forced | keep) & (j <= d)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "stride", "config"))
@@ -553,10 +508,8 @@ def _estimate(q, k, threshold, norm, q_lengths, kv_lengths, *, block_size, strid
                       config=config)
     tb, sb = sums.shape[2:]
     diag = diagonal_blocks(tb, q_len, kv_len, block_size)
-    if config.selection == "xla":
-        mask = select_blocks(sums, diag, threshold)
-    else:
-        mask = select_blocks_kernel(sums, diag, threshold, search=config.selection == "search")
+    select = reference.find_blocks if config.select_xla else select_blocks_kernel
+    mask = select(sums, diag, threshold)
     r = jnp.arange(tb, dtype=jnp.int32)[:, None]
     j = jnp.arange(sb, dtype=jnp.int32)
     in_range = ((r < _cdiv(q_len, block_size)[:, None, None])
