@@ -71,6 +71,14 @@ VARIANTS = {
                       state_warps=4),
     "qk-qn-v32": dict(qk_in_state=True, store_qn=True, state_slice_major=True, block_hv_state=32,
                       state_warps=4),
+    # Session 6: the state loop unpipelined (its loads then wait in place, but the shared memory
+    # of the copies in flight is gone: more programs per SM where chains outnumber SMs), 16-wide
+    # slices on their own, 8 state warps, 2 intra warps.
+    "stages1": dict(state_stages=1),
+    "v16": dict(block_hv_state=16),
+    "v16-stages1": dict(block_hv_state=16, state_stages=1),
+    "w8": dict(state_warps=8),
+    "intra-w8": dict(intra_warps=8),
 }
 
 

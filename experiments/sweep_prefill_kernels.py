@@ -151,6 +151,7 @@ def xattn(quick):
             print(f"S{s} {name:12} {ms:8.3f} ms  {base[0] / ms:5.2f}x bf16  mask agreement "
                   f"{agree:.4f}  block-sum rel err {_bench.rel_err(sums, base[1]):.1e}",
                   flush=True)
+        _xattn_parts(q, k, s, quick)
         # The selection alone (on the bf16 sums): the reference's XLA sorts vs the kernel.
         sums = base[1]
         tb = sums.shape[2]
@@ -163,6 +164,28 @@ def xattn(quick):
             print(f"S{s} selection {name:14} {_time(fn, sums, diag, quick=quick):8.3f} ms  "
                   f"mask agreement {agree:.4f}", flush=True)
         del q, k
+
+
+def _xattn_parts(q, k, s, quick):
+    """The fp8 estimate's launches one by one: the e4m3 pass over q and over k (against the copy
+    bandwidth of their bytes) and the scores + block sums (`block_sums`, quantisation included)."""
+    st, bs = (4, 16) if quick else (16, 128)
+    lengths = jnp.full((1,), s, jnp.int32)
+    ceiling = _bench.copy_bandwidth_tbs(1 << 20 if quick else 1 << 30)["ceiling"]
+    cols = -(-s // st)  # reduced rows / columns; k's scales padded to whole 128-column tiles
+    for name, x, groups in (("q", q, cols), ("k", k, -(-cols // 128) * 128)):
+        fn = jax.jit(lambda x, n, groups=groups: xattn_triton.quantize_e4m3_kernel(x, n, st,
+                                                                                   groups))
+        ms = _time(fn, x, lengths, quick=quick)
+        tbs = x.size * (x.dtype.itemsize + 1) / ms / 1e9
+        print(f"S{s} parts quantize {name}   {ms:8.3f} ms  {tbs:5.2f} TB/s = "
+              f"{tbs / ceiling:.2f} of copy", flush=True)
+    for name, cfg in (("bf16", xattn_triton.Config()),
+                      ("fp8", xattn_triton.Config(fp8=True, block_k=128))):
+        fn = jax.jit(lambda q, k, n, cfg=cfg: xattn_triton.block_sums(
+            q, k, 1.0, n, n, block_size=bs, stride=st, config=cfg))
+        print(f"S{s} parts block_sums {name:5} {_time(fn, q, k, lengths, quick=quick):8.3f} ms",
+              flush=True)
 
 
 def conv1d(configs, quick):
