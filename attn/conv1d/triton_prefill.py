@@ -49,7 +49,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from attn._harness import triton_call
+from attn._harness import on_gpu, triton_call
 from attn.conv1d import reference
 
 
@@ -78,6 +78,18 @@ class Config:
     # (3 of ~26 instructions an element at W4 with SiLU) through a run-time branch to a second
     # copy of the row loop (more registers: ptxas for sm_90 spills at 16 x 1024 over 4 warps).
     rows_split: bool = True
+    # The walking form of the row kernel (`_conv_prefill_loop_kernel`, needs `rows`): one program
+    # per `seg_t` tokens x `block_c` channels walks its segment in groups of `block_t` rows, the
+    # `W - 1` halo rows carried in registers from group to group and the next group's loads issued
+    # before the current group's compute and stores (a register double buffer), so that a program
+    # keeps loads in flight while it computes and stores. Bitwise the row kernel's `y`. Registers:
+    # `2 * block_t + W - 1` rows plus the weights (ptxas, sm_90, T32K C8192 W4 bf16 SiLU state:
+    # module docstring). Not measured yet: off.
+    loop: bool = False
+    seg_t: int = 512  # tokens per program of the loop kernel: a multiple of `block_t`
+    # SiLU as `u + u * tanh(u)`, `u = a / 2`, through one `tanh.approx.f32` (row and loop kernels,
+    # bf16 / f16 outputs; float32 outputs keep the exact form). Error: module docstring. Off.
+    fast_silu: bool = False
 
     def __post_init__(self):
         if self.block_t < 1 or self.block_t & (self.block_t - 1):
@@ -86,6 +98,10 @@ class Config:
             raise ValueError(f"{self.block_c=} must be a power of two >= 16")
         if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
             raise ValueError(f"{self.num_warps=} must be a power of two >= 1")
+        if self.seg_t < self.block_t or self.seg_t % self.block_t:
+            raise ValueError(f"{self.seg_t=} must be a multiple of {self.block_t=}")
+        if (self.loop or self.fast_silu) and not self.rows:
+            raise ValueError("loop and fast_silu need the row kernel (rows=True)")
 
 
 @triton.jit
@@ -157,6 +173,8 @@ def _conv_prefill_rows_kernel(
     BLOCK_C: tl.constexpr,
     STREAM_STORE: tl.constexpr,
     SPLIT: tl.constexpr,  # a select-free path for blocks without a sequence start
+    FAST_SILU: tl.constexpr,  # SiLU through `tanh` (`_fast_silu`)
+    HW_TANH: tl.constexpr,  # ... as `tanh.approx.f32` (compiled), else exact (interpreter)
 ):
     """`_conv_prefill_kernel`'s tile, row by row from a register window (module docstring)."""
     t0 = tl.program_id(0) * BLOCK_T
@@ -200,21 +218,23 @@ def _conv_prefill_rows_kernel(
             start_last = last // T_ROW * T_ROW
         if start_last <= t0 - (W - 1):
             _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, N_TOK - t0, C, W, HAS_BIAS, SILU,
-                           BLOCK_T, BLOCK_C, STREAM_STORE, False)
+                           BLOCK_T, BLOCK_C, STREAM_STORE, False, FAST_SILU, HW_TANH)
         else:
             _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, N_TOK - t0, C, W, HAS_BIAS, SILU,
-                           BLOCK_T, BLOCK_C, STREAM_STORE, True)
+                           BLOCK_T, BLOCK_C, STREAM_STORE, True, FAST_SILU, HW_TANH)
     else:  # every tap through a select (the zero fill)
         _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, N_TOK - t0, C, W, HAS_BIAS, SILU,
-                       BLOCK_T, BLOCK_C, STREAM_STORE, True)
+                       BLOCK_T, BLOCK_C, STREAM_STORE, True, FAST_SILU, HW_TANH)
 
 
 @triton.jit
 def _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, n_left, C: tl.constexpr, W: tl.constexpr,
                    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_C: tl.constexpr, STREAM_STORE: tl.constexpr, ZERO_FILL: tl.constexpr):
-    """Rows `y[t0 + t]` of `_conv_prefill_rows_kernel` from its register window `xs`; with
-    `ZERO_FILL`, taps before their token's sequence start read 0 (the tile kernel's masked load)."""
+                   BLOCK_C: tl.constexpr, STREAM_STORE: tl.constexpr, ZERO_FILL: tl.constexpr,
+                   FAST_SILU: tl.constexpr, HW_TANH: tl.constexpr):
+    """Rows `y[t0 + t]` of `_conv_prefill_rows_kernel` (or one group of the loop kernel) from its
+    register window `xs`; with `ZERO_FILL`, taps before their token's sequence start read 0 (the
+    tile kernel's masked load)."""
     for t in tl.static_range(BLOCK_T):
         acc = tl.zeros((BLOCK_C,), tl.float32)
         for j in tl.static_range(W):
@@ -226,9 +246,111 @@ def _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, n_left, C: tl.constexpr, W
         if HAS_BIAS:
             acc += bias
         if SILU:
-            acc = acc * tl.sigmoid(acc)
+            if FAST_SILU:
+                acc = _fast_silu(acc, HW_TANH)
+            else:
+                acc = acc * tl.sigmoid(acc)
         tl.store(y_base + t * C, acc.to(y_base.dtype.element_ty), mask=mask_c & (t < n_left),
                  eviction_policy="evict_first" if STREAM_STORE else "")
+
+
+@triton.jit
+def _fast_silu(a, HW_TANH: tl.constexpr):
+    """`a * sigmoid(a)` as `u + u * tanh(u)`, `u = a / 2`: with `HW_TANH` one `tanh.approx.f32`
+    (MUFU) and two FMA-pipe instructions instead of `exp`, a reciprocal and their fix-ups. The
+    interpreter has no inline asm: there tanh is the exact `2 sigmoid(a) - 1` (the same algebra)."""
+    u = a * 0.5
+    if HW_TANH:
+        th = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32,
+                                       is_pure=True, pack=1)
+    else:
+        th = 2.0 * tl.sigmoid(a) - 1.0
+    return u + u * th
+
+
+@triton.jit
+def _conv_prefill_loop_kernel(
+    x_ptr,  # [N_TOK, C] flattened tokens
+    w_ptr,  # [C, W]
+    bias_ptr,  # [C] (a dummy unless HAS_BIAS)
+    seq_ptr,  # [N_TOK] int32 sequence of each token (a dummy unless VARLEN)
+    cu_ptr,  # [Ns + 1] int32 sequence starts (a dummy unless VARLEN)
+    y_ptr,  # [N_TOK, C]
+    N_TOK: tl.constexpr,
+    T_ROW: tl.constexpr,  # tokens per batch row without VARLEN
+    C: tl.constexpr,
+    W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    VARLEN: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    STREAM_STORE: tl.constexpr,
+    SPLIT: tl.constexpr,  # a select-free path for groups without a sequence start
+    FAST_SILU: tl.constexpr,
+    HW_TANH: tl.constexpr,
+    SEG_T: tl.constexpr,  # tokens per program, a multiple of BLOCK_T
+):
+    """The row kernel walking `SEG_T` tokens in groups of `BLOCK_T` rows (module docstring): each
+    group is the row kernel's block at `t0 = g0`, its window the carried halo and its rows."""
+    s0 = tl.program_id(0) * SEG_T
+    n_seg = tl.minimum(N_TOK - s0, SEG_T)  # tokens of this segment
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    mask_c = offs_c < C
+    x_base = x_ptr + s0.to(tl.int64) * C + offs_c
+    halo = ()  # rows g0 - (W - 1) .. g0 - 1: loaded once, then carried
+    for i in tl.static_range(W - 1):
+        halo = halo + (tl.load(x_base + (i - (W - 1)) * C,
+                               mask=mask_c & (s0 + (i - (W - 1)) >= 0), other=0.0),)
+    cur = ()  # rows g0 .. g0 + BLOCK_T - 1
+    for t in tl.static_range(BLOCK_T):
+        cur = cur + (tl.load(x_base + t * C, mask=mask_c & (t < n_seg), other=0.0),)
+    ws = ()
+    for j in tl.static_range(W):
+        ws = ws + (tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32),)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK_C,), tl.float32)  # unused
+    for g in range(0, n_seg, BLOCK_T):  # g0 = s0 + g
+        # The next group's loads first (masked off past the segment): in flight during this
+        # group's compute and stores (the compiler keeps loads and stores in program order).
+        g0 = s0 + g
+        nxt_base = x_ptr + (g0 + BLOCK_T).to(tl.int64) * C + offs_c
+        nxt = ()
+        for t in tl.static_range(BLOCK_T):
+            nxt = nxt + (tl.load(nxt_base + t * C, mask=mask_c & (g + BLOCK_T + t < n_seg),
+                                 other=0.0),)
+        pos = ()
+        for t in tl.static_range(BLOCK_T):
+            tok = g0 + t
+            if VARLEN:
+                seq = tl.load(seq_ptr + tok, mask=tok < N_TOK, other=0)
+                start = tl.load(cu_ptr + seq, mask=tok < N_TOK, other=0)
+            else:
+                start = tok // T_ROW * T_ROW
+            pos = pos + (tok - start,)
+        xs = halo + cur
+        y_g = y_ptr + g0.to(tl.int64) * C + offs_c
+        if SPLIT:  # as in the row kernel, per group
+            last = tl.minimum(g0 + BLOCK_T, N_TOK) - 1
+            if VARLEN:
+                start_last = tl.load(cu_ptr + tl.load(seq_ptr + last))
+            else:
+                start_last = last // T_ROW * T_ROW
+            if start_last <= g0 - (W - 1):
+                _conv_rows_out(xs, pos, ws, bias, y_g, mask_c, N_TOK - g0, C, W, HAS_BIAS, SILU,
+                               BLOCK_T, BLOCK_C, STREAM_STORE, False, FAST_SILU, HW_TANH)
+            else:
+                _conv_rows_out(xs, pos, ws, bias, y_g, mask_c, N_TOK - g0, C, W, HAS_BIAS, SILU,
+                               BLOCK_T, BLOCK_C, STREAM_STORE, True, FAST_SILU, HW_TANH)
+        else:
+            _conv_rows_out(xs, pos, ws, bias, y_g, mask_c, N_TOK - g0, C, W, HAS_BIAS, SILU,
+                           BLOCK_T, BLOCK_C, STREAM_STORE, True, FAST_SILU, HW_TANH)
+        halo = ()
+        for i in tl.static_range(W - 1):
+            halo = halo + (xs[BLOCK_T + i],)
+        cur = nxt
 
 
 @triton.jit
@@ -371,15 +493,26 @@ def _forward(x, weight, bias, initial_state, cu_seqlens, *, activation, config):
     block_c = min(config.block_c, max(16, triton.next_power_of_2(c)))
     block_t = min(config.block_t, triton.next_power_of_2(n_tok))
     bias_arg = jnp.zeros((1,), jnp.float32) if bias is None else bias
+    # Kernel-specific launch: the tile kernel, the row kernel, or its walking (loop) form.
+    kernel, seg_t, rows_args = _conv_prefill_kernel, block_t, {}
+    if config.rows:
+        kernel = _conv_prefill_rows_kernel
+        fast = config.fast_silu and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
+        rows_args = dict(SPLIT=config.rows_split, FAST_SILU=fast, HW_TANH=on_gpu())
+    if config.loop:
+        kernel = _conv_prefill_loop_kernel
+        # Whole groups, no longer than the (group-rounded) token count.
+        seg_t = min(config.seg_t // config.block_t * block_t, triton.cdiv(n_tok, block_t) * block_t)
+        rows_args["SEG_T"] = seg_t
     y = triton_call(
         xf, weight, bias_arg, seq, cu,
-        kernel=_conv_prefill_rows_kernel if config.rows else _conv_prefill_kernel,
+        kernel=kernel,
         out_shape=jax.ShapeDtypeStruct((n_tok, c), x.dtype),
-        grid=(triton.cdiv(n_tok, block_t), triton.cdiv(c, block_c)),
+        grid=(triton.cdiv(n_tok, seg_t), triton.cdiv(c, block_c)),
         num_warps=config.num_warps,
         N_TOK=n_tok, T_ROW=t, C=c, W=w, HAS_BIAS=bias is not None, VARLEN=cu_seqlens is not None,
         SILU=activation == "silu", BLOCK_T=block_t, BLOCK_C=block_c,
-        STREAM_STORE=config.stream_store, **(dict(SPLIT=config.rows_split) if config.rows else {}),
+        STREAM_STORE=config.stream_store, **rows_args,
     )
     if has_state:
         y = triton_call(
