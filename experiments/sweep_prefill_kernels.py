@@ -14,9 +14,11 @@ A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialise
   our dense flash (the goal: <= 1.15 x density x dense).
 - xattn: the estimate at S64K and S128K (stride 16), bf16 and `Config(fp8=True)` variants.
 - conv1d: causal conv1d prefill, B1 T32K, C = 8192, W4, bf16, SiLU, an initial state, against
-  the copy bandwidth; a config is `block_t-block_c-warps[-stream_store][-rows[-split]]`, `-rows`
-  for the row-walking kernel (`Config(rows=True)`; the others are the tile kernel), `-split` for
-  its select-free path for blocks without a sequence start (`rows_split=True`).
+  the copy bandwidth; a config is `block_t-block_c-warps[-stream_store][-rows[-split]][-loop
+  [-segN]][-fast]`, `-rows` for the row-walking kernel (`Config(rows=True)`; the others are the
+  tile kernel), `-split` for its select-free path for blocks without a sequence start
+  (`rows_split=True`), `-loop` for its walking form over segments of N tokens (`loop=True`,
+  `seg_t=N`, default 512), `-fast` for the tanh SiLU (`fast_silu=True`).
 `--quick`: tiny shapes through the interpreter (for CI).
 """
 
@@ -200,11 +202,15 @@ def conv1d(configs, quick):
     ref = None
     for text in configs:
         parts = text.split("-")
-        flags = [p for p in parts if p in ("rows", "split")]  # `Config.rows`, `.rows_split`
+        # `Config.rows`, `.rows_split`, `.loop`, `.fast_silu`, `.seg_t`
+        flags = [p for p in parts if p in ("rows", "split", "loop", "fast") or p[:3] == "seg"]
+        seg = [int(p[3:]) for p in flags if p[:3] == "seg"]
         bt, bc, warps, *stream = (int(v) for v in parts if v not in flags)
         cfg = conv_triton.Config(block_t=bt, block_c=bc, num_warps=warps,
                                  stream_store=bool(stream and stream[0]), rows="rows" in flags,
-                                 rows_split="split" in flags)
+                                 rows_split="split" in flags, loop="loop" in flags,
+                                 seg_t=seg[0] if seg else max(bt, 512),
+                                 fast_silu="fast" in flags)
         fn = jax.jit(lambda x, wt, s, cfg=cfg: conv_triton.causal_conv1d(
             x, wt, initial_state=s, activation="silu", config=cfg)[0])
         try:
@@ -234,7 +240,9 @@ def main(argv=None) -> None:
                          "16-1024-4-1-rows-split,16-1024-8-1-rows-split,8-1024-4-1-rows-split"}
     configs = (args.configs or default[args.kernel]).split(",")
     if args.quick:
-        configs = (["8-16-4-1", "16-16-2", "8-16-4-1-rows", "8-16-4-1-rows-split"]
+        configs = (["8-16-4-1", "16-16-2", "8-16-4-1-rows", "8-16-4-1-rows-split",
+                    "4-16-4-1-rows-split-loop-seg12", "4-16-4-1-rows-split-loop-seg12-fast",
+                    "8-16-4-1-rows-fast"]
                    if args.kernel == "conv1d" else ["16-16-4-2"])
     {"paged": paged, "sparse": sparse, "conv1d": conv1d}[args.kernel](configs, args.quick)
 
