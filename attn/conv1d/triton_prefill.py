@@ -23,6 +23,20 @@ Three kernels (the main one in two variants, `Config.rows` picks):
   `BLOCK_T + W - 1` rows: registers grow with `BLOCK_T x BLOCK_C / num_warps`; ptxas for sm_90
   spills from 64 x 512 over 4 warps, 64 x 1024 over 8). H100, T32K C8192 W4: 0.822 of copy
   bandwidth against the tile kernel's 0.782 (`Config`).
+* `_conv_prefill_loop_kernel` (`Config(loop=True)`, not measured yet, off), grid
+  `(cdiv(tokens, SEG_T), cdiv(C, BLOCK_C))`: the row kernel walking a segment of `SEG_T` tokens
+  in groups of `BLOCK_T` rows (a run-time loop). The `W - 1` halo rows are loaded once per
+  segment and then carried in registers (the window's last `W - 1` rows); each iteration first
+  issues the next group's loads (masked off past the segment), then computes and stores the
+  current group through the row kernel's code, so a program has loads in flight while it
+  computes and stores, where the row kernel alternates a load phase with a compute-and-store
+  phase (two 4-warp programs an SM at 255 registers). Groups are the row kernel's blocks: the
+  same selects, split and order of operations, `y` bit for bit. Registers: `2 BLOCK_T + W - 1`
+  rows plus weights; ptxas for sm_90 (T32K C8192 W4 bf16 SiLU, split, `fast_silu`): 8 x 512 over
+  4 warps 128 registers (4 programs an SM), 4 x 512 80, 16 x 512 164, 8 x 1024 over 8 warps 128,
+  8 x 1024 over 4 warps 254; no spills (`tests/conv1d/test_prefill_loop.py`). The jax-triton
+  0.3.1 `triton_call` passes no `maxnreg` to the compiler (its options are fixed: warps, stages,
+  CTAs, fp fusion), so registers are capped only through the tile shape.
 * `_conv_state_fixup_kernel`, grid `(Ns, cdiv(C, BLOCK_C))`, only with an initial state:
   rewrites `y` of the first `W - 1` tokens of each sequence, whose taps reach into the state, so
   the main kernel reads no state (a run-time branch there for it measured ~1% slower on the
@@ -35,6 +49,14 @@ first (XLA, before the call), products and the sum over taps are float32 (taps r
 in tap order, then those reading the state, then the bias: the first W - 1 tokens of a sequence
 may differ from the reference in the last float32 bit), SiLU in float32, `y` and the final state
 in x's dtype (the final state is raw inputs: bitwise equal).
+
+`Config(fast_silu=True)` (row and loop kernels, bf16 / f16 outputs; off): SiLU as `u + u tanh(u)`,
+`u = a / 2`, through one `tanh.approx.f32` (ptxas for sm_90: 1 MUFU + 1 FMUL + 1 FFMA an element,
+against ~12 instructions and 2 MUFU for `a * sigmoid(a)`; the whole row loop from ~23 to ~13
+instructions an element at W4). Its error: `tanh.approx.f32`'s, about 2^-11 (PTX ISA), scaled by
+`|u|`: at most ~`|a| 2^-12` absolute, relative ~2^-11 for `a >= 0` (below bf16's 2^-9 rounding);
+for `a << 0`, where `1 + tanh(u)` cancels, the absolute bound holds but not the relative one (y
+is then tiny). The state fixup kernel keeps the exact SiLU.
 
 Supports: any C and W >= 2 (W padded to a power of two and masked in the state kernel), optional
 bias and initial state, SiLU or none, any float dtype, varlen via `cu_seqlens` (zero-length
