@@ -131,10 +131,12 @@ def test_loop_config_validation():
 
 
 # The loop configs of the H100 sweep (`experiments.sweep_prefill_kernels conv1d`): block_t,
-# block_c, warps, seg_t, fast_silu.
-SWEEP_LOOPS = [(8, 512, 4, 512, False), (8, 512, 4, 512, True), (16, 512, 4, 512, True),
-               (8, 1024, 4, 1024, True), (4, 1024, 4, 512, True), (16, 1024, 8, 1024, True),
-               (8, 2048, 8, 2048, True)]
+# block_c, warps, seg_t, fast_silu, rows_split.
+SWEEP_LOOPS = [(8, 1024, 4, 1024, False, True), (8, 1024, 4, 1024, True, True),
+               (8, 512, 4, 512, False, True), (8, 512, 4, 512, True, True),
+               (8, 512, 4, 512, True, False), (4, 512, 4, 512, True, True),
+               (16, 512, 4, 512, True, True), (8, 512, 4, 256, True, True),
+               (8, 512, 4, 1024, True, True), (8, 1024, 8, 1024, True, True)]
 
 _AOT = textwrap.dedent("""
     import os, subprocess, sys, tempfile
@@ -149,9 +151,9 @@ _AOT = textwrap.dedent("""
     names = kernel.arg_names
     types = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*fp32", seq_ptr="*i32", cu_ptr="*i32",
                  y_ptr="*bf16")
-    for bt, bc, warps, seg, fast in eval(sys.argv[1]):
+    for bt, bc, warps, seg, fast, split in eval(sys.argv[1]):
         consts = dict(N_TOK=32768, T_ROW=32768, C=8192, W=4, HAS_BIAS=False, VARLEN=False,
-                      SILU=True, BLOCK_T=bt, BLOCK_C=bc, STREAM_STORE=True, SPLIT=True,
+                      SILU=True, BLOCK_T=bt, BLOCK_C=bc, STREAM_STORE=True, SPLIT=split,
                       FAST_SILU=fast, HW_TANH=True, SEG_T=seg)
         sig = {n: "constexpr" if n in consts else types[n] for n in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
@@ -203,9 +205,9 @@ def test_loop_kernel_compiled_is_the_row_kernel_bitwise(varlen):
     rows = run(prefill.Config())
     expected = jax.jit(lambda x, w: ref.causal_conv1d(
         x, w, initial_state=h0, activation="silu", cu_seqlens=cu))(x, weight)
-    for bt, bc, warps, seg, fast in SWEEP_LOOPS:
+    for bt, bc, warps, seg, fast, split in SWEEP_LOOPS:
         out = run(prefill.Config(block_t=bt, block_c=bc, num_warps=warps, loop=True, seg_t=seg,
-                                 fast_silu=fast))
+                                 fast_silu=fast, rows_split=split))
         if fast:
             assert_close(out[0], expected[0], dtype=jnp.bfloat16)
             np.testing.assert_array_equal(_bits(out[1]), _bits(rows[1]))
