@@ -263,8 +263,10 @@ def _scratch_lse(rows, mx_ptr, bn_local, m, j, vis, RT: tl.constexpr, NT: tl.con
         blk = tl.load(rows + j[None, :], mask=vis, other=0.0).to(tl.float32)
         top = tl.load(mx_ptr + (bn_local.to(tl.int64) * RT + m[:, None]) * NT
                       + (j // CB)[None, :], mask=vis, other=0.0)
-        return tl.where(blk > 0.0, top + tl.log2(tl.where(blk > 0.0, blk, 1.0)), float("-inf"))
-    return tl.load(rows + j[None, :], mask=vis, other=float("-inf"))
+        x = tl.where(blk > 0.0, top + tl.log2(tl.where(blk > 0.0, blk, 1.0)), float("-inf"))
+    else:  # (one return: Triton 3.6 type-checks a return after a constexpr branch's own)
+        x = tl.load(rows + j[None, :], mask=vis, other=float("-inf"))
+    return x
 
 
 @triton.jit

@@ -434,6 +434,14 @@ _AOT = textwrap.dedent("""
                            capture_output=True, text=True, check=True)
         mma = sorted(set(re.findall(r"wgmma\\.mma_async\\.[\\w.]+", c.asm["ptx"])))
         print("AOT", name, ",".join(mma), c.metadata.shared, r.stderr.replace("\\n", " "))
+        if cfg.scratch_f16:  # the block-sum kernel reading that scratch (compiles at all)
+            consts = dict(N=32, R=8, RT=t // 16, TB=t // 128, SB=s // 128, QB=8, BLOCK_J=64,
+                          SCRATCH16=True, NT=consts["NT"], CB=cfg.block_c // 8)
+            names = kt._block_sums_kernel.arg_names
+            sig = {n: "constexpr" if n in consts else dict(lse_ptr="*fp16").get(n, "*fp32")
+                   if n in ("lse_ptr", "mx_ptr", "sums_ptr") else "*i32" for n in names}
+            triton.compile(ASTSource(fn=kt._block_sums_kernel, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     consts = dict(L=t, NH=32, H=128, ST=16, MP=t // 16, BLOCK_N=2, BLOCK_H=128)
     names = kt._quantize_kernel.arg_names
     types = dict(x_ptr="*bf16", len_ptr="*i32", x8_ptr="*fp8e4nv", scale_ptr="*fp32")
