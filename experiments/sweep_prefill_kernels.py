@@ -18,7 +18,8 @@ A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialise
   [-segN]][-fast]`, `-rows` for the row-walking kernel (`Config(rows=True)`; the others are the
   tile kernel), `-split` for its select-free path for blocks without a sequence start
   (`rows_split=True`), `-loop` for its walking form over segments of N tokens (`loop=True`,
-  `seg_t=N`, default 512), `-fast` for the tanh SiLU (`fast_silu=True`).
+  `seg_t=N`, default 512), `-fast` for the tanh SiLU (`fast_silu=True`); `copy-T-C-warps`: the
+  row kernel's loads and stores alone at that tile (`y = x`), its data-movement bound.
 `--quick`: tiny shapes through the interpreter (for CI).
 """
 
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attn  # noqa: F401  (sets up Triton before its first import)
+from attn._harness import triton_call
 from attn.block_sparse import reference as sparse_ref
 from attn.block_sparse import triton as sparse_triton
 from attn.conv1d import triton_prefill as conv_triton
@@ -43,6 +45,7 @@ from attn.xattention import triton as xattn_triton
 from experiments import _bench
 from experiments.bench_sparse_prefill import _paged_problem, _sparse_mask
 
+triton, tl = conv_triton.triton, conv_triton.tl  # imported after `attn` (interpreter set-up)
 N, KH, H = 32, 8, 128
 
 
@@ -192,6 +195,30 @@ def _xattn_parts(q, k, s, quick):
               flush=True)
 
 
+@triton.jit
+def _copy_rows_kernel(x_ptr, y_ptr, N_TOK: tl.constexpr, C: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """`y = x` moved as the conv1d row kernel moves it: a program's `BLOCK_T` rows of `BLOCK_C`
+    channels all loaded first (1-D rows), then stored (streaming)."""
+    t0 = tl.program_id(0) * BLOCK_T
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    base = t0.to(tl.int64) * C + offs_c
+    xs = ()
+    for i in tl.static_range(BLOCK_T):
+        xs = xs + (tl.load(x_ptr + base + i * C, mask=(offs_c < C) & (t0 + i < N_TOK)),)
+    for i in tl.static_range(BLOCK_T):
+        tl.store(y_ptr + base + i * C, xs[i], mask=(offs_c < C) & (t0 + i < N_TOK),
+                 eviction_policy="evict_first")
+
+
+def _copy_rows(x, *, block_t, block_c, num_warps):
+    n_tok, c = x.shape[0] * x.shape[1], x.shape[2]
+    return triton_call(x.reshape(n_tok, c), kernel=_copy_rows_kernel,
+                       out_shape=jax.ShapeDtypeStruct((n_tok, c), x.dtype),
+                       grid=(triton.cdiv(n_tok, block_t), triton.cdiv(c, block_c)),
+                       num_warps=num_warps, N_TOK=n_tok, C=c, BLOCK_T=block_t, BLOCK_C=block_c)
+
+
 def conv1d(configs, quick):
     t, c, w = (40, 32, 4) if quick else (32768, 8192, 4)
     gen = np.random.default_rng(0)
@@ -204,6 +231,14 @@ def conv1d(configs, quick):
     ref = None
     for text in configs:
         parts = text.split("-")
+        if parts[0] == "copy":  # the row kernel's loads and stores alone: its data-movement bound
+            bt, bc, warps = (int(v) for v in parts[1:])
+            fn = jax.jit(functools.partial(_copy_rows, block_t=bt, block_c=bc, num_warps=warps))
+            ms = _time(fn, x, quick=quick)
+            tbs = 2 * x.size * x.dtype.itemsize / ms / 1e9
+            print(f"  {text:18} {ms:9.4f} ms  {tbs:6.3f} TB/s = {tbs / ceiling:.3f} of copy",
+                  flush=True)
+            continue
         # `Config.rows`, `.rows_split`, `.loop`, `.fast_silu`, `.seg_t`
         flags = [p for p in parts if p in ("rows", "split", "loop", "fast") or p[:3] == "seg"]
         seg = [int(p[3:]) for p in flags if p[:3] == "seg"]
@@ -244,7 +279,7 @@ def main(argv=None) -> None:
     if args.quick:
         configs = (["8-16-4-1", "16-16-2", "8-16-4-1-rows", "8-16-4-1-rows-split",
                     "4-16-4-1-rows-split-loop-seg12", "4-16-4-1-rows-split-loop-seg12-fast",
-                    "8-16-4-1-rows-fast"]
+                    "8-16-4-1-rows-fast", "copy-8-16-4"]
                    if args.kernel == "conv1d" else ["16-16-4-2"])
     {"paged": paged, "sparse": sparse, "conv1d": conv1d}[args.kernel](configs, args.quick)
 
