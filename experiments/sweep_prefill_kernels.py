@@ -18,8 +18,9 @@ A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialise
   [-segN]][-fast]`, `-rows` for the row-walking kernel (`Config(rows=True)`; the others are the
   tile kernel), `-split` for its select-free path for blocks without a sequence start
   (`rows_split=True`), `-loop` for its walking form over segments of N tokens (`loop=True`,
-  `seg_t=N`, default 512), `-fast` for the tanh SiLU (`fast_silu=True`); `copy-T-C-warps`: the
-  row kernel's loads and stores alone at that tile (`y = x`), its data-movement bound.
+  `seg_t=N`, default 512), `-fast` for the tanh SiLU (`fast_silu=True`), `-cf` for programs
+  channel blocks fastest (`channels_fastest=True`); `copy-T-C-warps[-cf]`: the row kernel's loads
+  and stores alone at that tile (`y = x`), its data-movement bound.
 `--quick`: tiny shapes through the interpreter (for CI).
 """
 
@@ -197,11 +198,13 @@ def _xattn_parts(q, k, s, quick):
 
 @triton.jit
 def _copy_rows_kernel(x_ptr, y_ptr, N_TOK: tl.constexpr, C: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, C_FASTEST: tl.constexpr,
+                      NC: tl.constexpr):
     """`y = x` moved as the conv1d row kernel moves it: a program's `BLOCK_T` rows of `BLOCK_C`
-    channels all loaded first (1-D rows), then stored (streaming)."""
-    t0 = tl.program_id(0) * BLOCK_T
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    channels all loaded first (1-D rows), then stored (streaming), programs in its order."""
+    tb, cb = conv_triton._block_ids(C_FASTEST, NC)
+    t0 = tb * BLOCK_T
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     base = t0.to(tl.int64) * C + offs_c
     xs = ()
     for i in tl.static_range(BLOCK_T):
@@ -211,12 +214,14 @@ def _copy_rows_kernel(x_ptr, y_ptr, N_TOK: tl.constexpr, C: tl.constexpr,
                  eviction_policy="evict_first")
 
 
-def _copy_rows(x, *, block_t, block_c, num_warps):
+def _copy_rows(x, *, block_t, block_c, num_warps, c_fastest):
     n_tok, c = x.shape[0] * x.shape[1], x.shape[2]
+    tb, nc = triton.cdiv(n_tok, block_t), triton.cdiv(c, block_c)
     return triton_call(x.reshape(n_tok, c), kernel=_copy_rows_kernel,
                        out_shape=jax.ShapeDtypeStruct((n_tok, c), x.dtype),
-                       grid=(triton.cdiv(n_tok, block_t), triton.cdiv(c, block_c)),
-                       num_warps=num_warps, N_TOK=n_tok, C=c, BLOCK_T=block_t, BLOCK_C=block_c)
+                       grid=(tb * nc,) if c_fastest else (tb, nc), num_warps=num_warps,
+                       N_TOK=n_tok, C=c, BLOCK_T=block_t, BLOCK_C=block_c, C_FASTEST=c_fastest,
+                       NC=nc)
 
 
 def conv1d(configs, quick):
@@ -232,22 +237,24 @@ def conv1d(configs, quick):
     for text in configs:
         parts = text.split("-")
         if parts[0] == "copy":  # the row kernel's loads and stores alone: its data-movement bound
-            bt, bc, warps = (int(v) for v in parts[1:])
-            fn = jax.jit(functools.partial(_copy_rows, block_t=bt, block_c=bc, num_warps=warps))
+            bt, bc, warps = (int(v) for v in parts[1:4])
+            fn = jax.jit(functools.partial(_copy_rows, block_t=bt, block_c=bc, num_warps=warps,
+                                           c_fastest="cf" in parts))
             ms = _time(fn, x, quick=quick)
             tbs = 2 * x.size * x.dtype.itemsize / ms / 1e9
             print(f"  {text:18} {ms:9.4f} ms  {tbs:6.3f} TB/s = {tbs / ceiling:.3f} of copy",
                   flush=True)
             continue
         # `Config.rows`, `.rows_split`, `.loop`, `.fast_silu`, `.seg_t`
-        flags = [p for p in parts if p in ("rows", "split", "loop", "fast") or p[:3] == "seg"]
+        flags = [p for p in parts
+                 if p in ("rows", "split", "loop", "fast", "cf") or p[:3] == "seg"]
         seg = [int(p[3:]) for p in flags if p[:3] == "seg"]
         bt, bc, warps, *stream = (int(v) for v in parts if v not in flags)
         cfg = conv_triton.Config(block_t=bt, block_c=bc, num_warps=warps,
                                  stream_store=bool(stream and stream[0]), rows="rows" in flags,
                                  rows_split="split" in flags, loop="loop" in flags,
                                  seg_t=seg[0] if seg else max(bt, 512),
-                                 fast_silu="fast" in flags)
+                                 fast_silu="fast" in flags, channels_fastest="cf" in flags)
         fn = jax.jit(lambda x, wt, s, cfg=cfg: conv_triton.causal_conv1d(
             x, wt, initial_state=s, activation="silu", config=cfg)[0])
         try:
@@ -279,7 +286,8 @@ def main(argv=None) -> None:
     if args.quick:
         configs = (["8-16-4-1", "16-16-2", "8-16-4-1-rows", "8-16-4-1-rows-split",
                     "4-16-4-1-rows-split-loop-seg12", "4-16-4-1-rows-split-loop-seg12-fast",
-                    "8-16-4-1-rows-fast", "copy-8-16-4"]
+                    "8-16-4-1-rows-fast", "copy-8-16-4",
+                    "8-16-4-1-rows-split-cf", "copy-8-16-4-cf"]
                    if args.kernel == "conv1d" else ["16-16-4-2"])
     {"paged": paged, "sparse": sparse, "conv1d": conv1d}[args.kernel](configs, args.quick)
 

@@ -112,6 +112,11 @@ class Config:
     # SiLU as `u + u * tanh(u)`, `u = a / 2`, through one `tanh.approx.f32` (row and loop kernels,
     # bf16 / f16 outputs; float32 outputs keep the exact form). Error: module docstring. Off.
     fast_silu: bool = False
+    # Programs ordered channel blocks fastest (a 1-D grid): the programs in flight read and write
+    # whole `C`-wide rows, contiguous memory, instead of one `block_c` slice of many rows (with
+    # token blocks fastest, `block_c` of every `C` channels: 2 of each 16 KB row at C = 8192
+    # bf16). Same results bit for bit (the order of programs only). Not measured yet: off.
+    channels_fastest: bool = False
 
     def __post_init__(self):
         if self.block_t < 1 or self.block_t & (self.block_t - 1):
@@ -124,6 +129,19 @@ class Config:
             raise ValueError(f"{self.seg_t=} must be a multiple of {self.block_t=}")
         if (self.loop or self.fast_silu) and not self.rows:
             raise ValueError("loop and fast_silu need the row kernel (rows=True)")
+
+
+@triton.jit
+def _block_ids(C_FASTEST: tl.constexpr, NC: tl.constexpr):
+    """(token block, channel block) of this program: grid `(token blocks, NC)`, or with
+    `C_FASTEST` one axis of `token blocks x NC` programs, channel blocks fastest."""
+    if C_FASTEST:
+        tb = tl.program_id(0) // NC
+        cb = tl.program_id(0) % NC
+    else:
+        tb = tl.program_id(0)
+        cb = tl.program_id(1)
+    return tb, cb
 
 
 @triton.jit
@@ -144,9 +162,12 @@ def _conv_prefill_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     STREAM_STORE: tl.constexpr,
+    C_FASTEST: tl.constexpr = False,  # a 1-D grid, channel blocks fastest
+    NC: tl.constexpr = 1,  # channel blocks (C_FASTEST)
 ):
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    tb, cb = _block_ids(C_FASTEST, NC)
+    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
     mask_t = offs_t < N_TOK
     mask_c = offs_c < C
     if VARLEN:
@@ -197,10 +218,13 @@ def _conv_prefill_rows_kernel(
     SPLIT: tl.constexpr,  # a select-free path for blocks without a sequence start
     FAST_SILU: tl.constexpr,  # SiLU through `tanh` (`_fast_silu`)
     HW_TANH: tl.constexpr,  # ... as `tanh.approx.f32` (compiled), else exact (interpreter)
+    C_FASTEST: tl.constexpr = False,  # a 1-D grid, channel blocks fastest
+    NC: tl.constexpr = 1,  # channel blocks (C_FASTEST)
 ):
     """`_conv_prefill_kernel`'s tile, row by row from a register window (module docstring)."""
-    t0 = tl.program_id(0) * BLOCK_T
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    tb, cb = _block_ids(C_FASTEST, NC)
+    t0 = tb * BLOCK_T
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
     mask_c = offs_c < C
     # Every load first, so that all rows are in flight before the first store (the compiler does
     # not move a load above a store: it cannot tell that x and y do not alias).
@@ -312,12 +336,15 @@ def _conv_prefill_loop_kernel(
     FAST_SILU: tl.constexpr,
     HW_TANH: tl.constexpr,
     SEG_T: tl.constexpr,  # tokens per program, a multiple of BLOCK_T
+    C_FASTEST: tl.constexpr = False,  # a 1-D grid, channel blocks fastest
+    NC: tl.constexpr = 1,  # channel blocks (C_FASTEST)
 ):
     """The row kernel walking `SEG_T` tokens in groups of `BLOCK_T` rows (module docstring): each
     group is the row kernel's block at `t0 = g0`, its window the carried halo and its rows."""
-    s0 = tl.program_id(0) * SEG_T
+    tb, cb = _block_ids(C_FASTEST, NC)
+    s0 = tb * SEG_T
     n_seg = tl.minimum(N_TOK - s0, SEG_T)  # tokens of this segment
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
     mask_c = offs_c < C
     x_base = x_ptr + s0.to(tl.int64) * C + offs_c
     halo = ()  # rows g0 - (W - 1) .. g0 - 1: loaded once, then carried
@@ -517,6 +544,7 @@ def _forward(x, weight, bias, initial_state, cu_seqlens, *, activation, config):
     bias_arg = jnp.zeros((1,), jnp.float32) if bias is None else bias
     # Kernel-specific launch: the tile kernel, the row kernel, or its walking (loop) form.
     kernel, seg_t, rows_args = _conv_prefill_kernel, block_t, {}
+    nc = triton.cdiv(c, block_c)
     if config.rows:
         kernel = _conv_prefill_rows_kernel
         fast = config.fast_silu and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
@@ -530,11 +558,12 @@ def _forward(x, weight, bias, initial_state, cu_seqlens, *, activation, config):
         xf, weight, bias_arg, seq, cu,
         kernel=kernel,
         out_shape=jax.ShapeDtypeStruct((n_tok, c), x.dtype),
-        grid=(triton.cdiv(n_tok, seg_t), triton.cdiv(c, block_c)),
+        grid=((triton.cdiv(n_tok, seg_t) * nc,) if config.channels_fastest
+              else (triton.cdiv(n_tok, seg_t), nc)),
         num_warps=config.num_warps,
         N_TOK=n_tok, T_ROW=t, C=c, W=w, HAS_BIAS=bias is not None, VARLEN=cu_seqlens is not None,
         SILU=activation == "silu", BLOCK_T=block_t, BLOCK_C=block_c,
-        STREAM_STORE=config.stream_store, **rows_args,
+        STREAM_STORE=config.stream_store, C_FASTEST=config.channels_fastest, NC=nc, **rows_args,
     )
     if has_state:
         y = triton_call(

@@ -154,7 +154,7 @@ _AOT = textwrap.dedent("""
     for bt, bc, warps, seg, fast, split in eval(sys.argv[1]):
         consts = dict(N_TOK=32768, T_ROW=32768, C=8192, W=4, HAS_BIAS=False, VARLEN=False,
                       SILU=True, BLOCK_T=bt, BLOCK_C=bc, STREAM_STORE=True, SPLIT=split,
-                      FAST_SILU=fast, HW_TANH=True, SEG_T=seg)
+                      FAST_SILU=fast, HW_TANH=True, SEG_T=seg, C_FASTEST=False, NC=8)
         sig = {n: "constexpr" if n in consts else types[n] for n in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
         c = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
