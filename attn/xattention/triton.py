@@ -325,6 +325,12 @@ def _block_sums_kernel(
         tl.store(out + j[None, :], sums, mask=(q_blocks < TB)[:, None] & (j < SB)[None, :])
 
 
+# What `xattn_estimate(..., fp8=True)` runs: 128-feature slices (one 128-byte e4m3 row per token)
+# and 128 x 256 score tiles (H100, S64K / S128K, N32: 2.058 / 7.05 ms against 2.074 / 7.38 at
+# 128 x 128 in session 5's sweep, 2.101 / 7.197 against 2.115 / 7.410 in session 6's run 3).
+FP8_CONFIG = Config(fp8=True, block_k=128, block_c=256)
+
+
 def check_supported(q) -> None:
     """Raise NotImplementedError for what the kernel does not do (the API then uses XLA)."""
     if q.shape[-1] > _MAX_HEAD_DIM:
@@ -347,11 +353,13 @@ def _quantize_kernel(
     MP: tl.constexpr,
     BLOCK_N: tl.constexpr,  # heads per program
     BLOCK_H: tl.constexpr,
+    NHB: tl.constexpr,  # head blocks
 ):
-    """One group of ST tokens x BLOCK_N heads per program: one read, one e4m3 write."""
-    g = tl.program_id(0)
+    """One group of ST tokens x BLOCK_N heads per program: one read, one e4m3 write. Programs
+    head blocks fastest (grid `(groups · NHB, B)`), so those in flight read whole token rows."""
+    g = tl.program_id(0) // NHB
     b = tl.program_id(1)
-    heads = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    heads = tl.program_id(0) % NHB * BLOCK_N + tl.arange(0, BLOCK_N)
     tok = g * ST + tl.arange(0, ST)
     h = tl.arange(0, BLOCK_H)
     length = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), L)
@@ -385,10 +393,11 @@ def quantize_e4m3_kernel(x, lengths, stride, groups):
         kernel=_quantize_kernel,
         out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),
                    jax.ShapeDtypeStruct((b, heads, groups), jnp.float32)),
-        grid=(groups, b, _cdiv(heads, block_n)),
+        grid=(groups * _cdiv(heads, block_n), b),
         num_warps=4,
         num_stages=1,
         L=l, NH=heads, H=h, ST=stride, MP=groups, BLOCK_N=block_n, BLOCK_H=block_h,
+        NHB=_cdiv(heads, block_n),
     )
 
 
@@ -525,8 +534,11 @@ def select_blocks_kernel(block_sums, diagonal, threshold, *, num_warps=None):
     sums in the kernel's order, so a block whose preceding mass sits within rounding of the
     requirement may go the other way (bit for bit the reference's mask where the sums are exact,
     e.g. integer masses). H100, N32, 512 / 1024 key blocks (S64K / S128K at block 128): 0.195 /
-    0.516 ms, against 0.469 / 1.937 for XLA sorting once and ~0.53 / 2.4 for the reference's two
-    sorts (an in-register sort of packed 64-bit keys, tried first, took 0.269 / 1.418)."""
+    0.516 ms on 4 warps, against 0.469 / 1.937 for XLA sorting once and ~0.53 / 2.4 for the
+    reference's two sorts (an in-register sort of packed 64-bit keys, tried first, took 0.269 /
+    1.418). Each bisection step is a row sum, which across warps goes through shared memory and a
+    barrier: one warp (512 blocks) / two (1024) take 0.119 / 0.477 ms (4 warps 0.201 / 0.526, 8
+    warps 0.375 / 0.782; session 6 run 3). `num_warps` overrides that choice."""
     b, n, tb, sb = block_sums.shape
     tau = jnp.reshape(jnp.asarray(threshold, jnp.float32), (1,))
     out = triton_call(
@@ -534,7 +546,7 @@ def select_blocks_kernel(block_sums, diagonal, threshold, *, num_warps=None):
         kernel=_select_kernel,
         out_shape=jax.ShapeDtypeStruct((b * n * tb, sb), jnp.int8),
         grid=(b * n * tb,),
-        num_warps=num_warps or (4 if sb > 256 else 2),
+        num_warps=num_warps or (1 if sb <= 512 else 2),
         num_stages=1,
         NTB=n * tb, TB=tb, SB=sb, BLOCK_S=max(16, triton.next_power_of_2(sb)),
     )

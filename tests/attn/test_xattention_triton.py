@@ -442,7 +442,7 @@ _AOT = textwrap.dedent("""
                    if n in ("lse_ptr", "mx_ptr", "sums_ptr") else "*i32" for n in names}
             triton.compile(ASTSource(fn=kt._block_sums_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    consts = dict(L=t, NH=32, H=128, ST=16, MP=t // 16, BLOCK_N=2, BLOCK_H=128)
+    consts = dict(L=t, NH=32, H=128, ST=16, MP=t // 16, BLOCK_N=2, BLOCK_H=128, NHB=16)
     names = kt._quantize_kernel.arg_names
     types = dict(x_ptr="*bf16", len_ptr="*i32", x8_ptr="*fp8e4nv", scale_ptr="*fp32")
     sig = {n: "constexpr" if n in consts else types[n] for n in names}
