@@ -18,12 +18,14 @@ reaches at most `ceil(S/st) - i·BLOCK_R + 1` columns (the `+ 1` when both `q_le
 A program cannot finish a row's softmax (it sees one column tile), so instead of a second GEMM
 pass it stores, per reduced row `m` and key block `j` of its tile, the base-2 log-sum-exp of the
 row's scaled scores over the block's visible columns (`-inf` when none): a `[B, N, Tb·R, Sb]`
-f32 scratch with `R = block_size / st`. The second kernel (a few query tiles per program)
-combines those into each row's log-sum-exp and writes `block_sums[b, n, r, j] = Σ_{m in tile r}
-2^(lse_block[m, j] - lse_row[m])`, every entry (0 past the diagonal). Work: one pass of the
-causal reduced GEMM (a second softmax pass would recompute it) plus a write and a read of the
-scratch (`R`x the size of `block_sums`: 64 MiB at S = 32K, N = 32, st 16); the scratch is bounded
-by `Config.scratch_bytes`, beyond which the (request, head) pairs run in several launches.
+f32 scratch with `R = block_size / st`, and the same over the whole tile, `[B, N, Tb·R, NT]` for
+NT column tiles. The second kernel (a few query tiles per program) combines the tiles' into
+each row's log-sum-exp and writes `block_sums[b, n, r, j] = Σ_{m in tile r} 2^(lse_block[m, j] -
+lse_row[m])`, every entry (0 past the diagonal). Work: one pass of the causal reduced GEMM (a
+second softmax pass would recompute it) plus a write and one read of the scratch (`R`x the size
+of `block_sums`: 64 MiB at S = 32K, N = 32, st 16; its row pass reads the `block_c / R`x smaller
+tile values, not the scratch again); the scratch is bounded by `Config.scratch_bytes`, beyond
+which the (request, head) pairs run in several launches.
 
 Visibility in reduced coordinates (as the reference): column `c` of row `m` counts iff
 `c <= m + ceil((kv_len - q_len) / st)` and `c < ceil(kv_len / st)`; rows `m >= ceil(q_len / st)`
@@ -111,12 +113,6 @@ class Config:
     # The threshold selection in XLA (`reference.find_blocks`, two sorts) instead of the
     # kernel (`select_blocks_kernel`: the same rule, float32 sums in the kernel's order).
     select_xla: bool = False
-    # The scratch as f16 masses per (reduced row, key block), relative to the row's maximum in
-    # the tile, plus that maximum (f32) per (reduced row, column tile), not f32 log-sum-exps:
-    # 2 + 4 / (block_c / R) bytes an entry instead of 4 (written once, read twice). Each block
-    # mass then carries one more relative rounding of at most 2^-11 (f16; blocks below 2^-24 of
-    # their tile's largest round to 0), under the e4m3 GEMM's error: for `fp8`.
-    scratch_f16: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_r", "block_c", "block_k"))
@@ -165,9 +161,8 @@ def _tile_lse_kernel(
     q_scale_ptr,  # [B, N, MQ] f32 e4m3 scale per reduced row (FP8; else unused)
     k_scale_ptr,  # [B, K, MCP] f32 e4m3 scale per reduced column, padded with 1 (FP8)
     bn0_ptr,  # [1] int32 first flat (request, head) pair of this launch
-    lse_ptr,  # [BN, RT, SB] f32 scratch: log2-sum-exp2 per (reduced row, key block); f16
-    # masses relative to the row's maximum in the tile with SCRATCH16
-    mx_ptr,  # [BN, RT, NT] f32 those maxima per (reduced row, column tile) (SCRATCH16)
+    lse_ptr,  # [BN, RT, SB] f32 scratch: log2-sum-exp2 per (reduced row, key block)
+    tile_lse_ptr,  # [BN, RT, NT] f32 the same per (reduced row, column tile)
     T: tl.constexpr,
     S: tl.constexpr,
     K: tl.constexpr,
@@ -184,8 +179,7 @@ def _tile_lse_kernel(
     PRECISION: tl.constexpr,
     FP8: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
-    SCRATCH16: tl.constexpr = False,
-    NT: tl.constexpr = 1,  # column tiles (SCRATCH16)
+    NT: tl.constexpr,  # column tiles
 ):
     N: tl.constexpr = K * G
     CB: tl.constexpr = BLOCK_C // R  # key blocks per tile
@@ -244,35 +238,21 @@ def _tile_lse_kernel(
         blk = tl.sum(tl.reshape(p, [BLOCK_R, CB, R]), 2)  # [BLOCK_R, CB]
         blocks = c0 // R + tl.arange(0, CB)  # [CB] key blocks
         out = lse_ptr + (bn_local.to(tl.int64) * RT + m[:, None]) * SB + blocks[None, :]
-        if SCRATCH16:  # the masses as they are (in [0, R]), the row's maximum beside them
-            tl.store(out, blk.to(tl.float16), mask=row_ok[:, None] & (blocks < SB)[None, :])
-            tl.store(mx_ptr + (bn_local.to(tl.int64) * RT + m) * NT + c0 // BLOCK_C, mx,
-                     mask=row_ok)
-        else:
-            lse = tl.where(blk > 0.0, mx[:, None] + tl.log2(tl.where(blk > 0.0, blk, 1.0)),
-                           float("-inf"))
-            tl.store(out, lse, mask=row_ok[:, None] & (blocks < SB)[None, :])
-
-
-@triton.jit
-def _scratch_lse(rows, mx_ptr, bn_local, m, j, vis, RT: tl.constexpr, NT: tl.constexpr,
-                 CB: tl.constexpr, SCRATCH16: tl.constexpr):
-    """`[QB * R, BLOCK_J]` base-2 log-sum-exp2 of rows `m`, key blocks `j` (-inf where not
-    `vis`): read as stored, or (SCRATCH16) from the f16 mass and its tile's f32 row maximum."""
-    if SCRATCH16:
-        blk = tl.load(rows + j[None, :], mask=vis, other=0.0).to(tl.float32)
-        top = tl.load(mx_ptr + (bn_local.to(tl.int64) * RT + m[:, None]) * NT
-                      + (j // CB)[None, :], mask=vis, other=0.0)
-        x = tl.where(blk > 0.0, top + tl.log2(tl.where(blk > 0.0, blk, 1.0)), float("-inf"))
-    else:  # (one return: Triton 3.6 type-checks a return after a constexpr branch's own)
-        x = tl.load(rows + j[None, :], mask=vis, other=float("-inf"))
-    return x
+        lse = tl.where(blk > 0.0, mx[:, None] + tl.log2(tl.where(blk > 0.0, blk, 1.0)),
+                       float("-inf"))
+        tl.store(out, lse, mask=row_ok[:, None] & (blocks < SB)[None, :])
+        # The row's log-sum-exp over the whole tile (the row has a visible column here: else
+        # the tile is not its to write), so the second kernel's row pass reads NT values, not SB.
+        row = tl.sum(blk, 1)
+        tl.store(tile_lse_ptr + (bn_local.to(tl.int64) * RT + m) * NT + c0 // BLOCK_C,
+                 tl.where(row > 0.0, mx + tl.log2(tl.where(row > 0.0, row, 1.0)), float("-inf")),
+                 mask=row_ok)
 
 
 @triton.jit
 def _block_sums_kernel(
-    lse_ptr,  # [BN, RT, SB] f32 scratch of `_tile_lse_kernel` (f16 masses with SCRATCH16)
-    mx_ptr,  # [BN, RT, NT] f32 their row maxima per column tile (SCRATCH16)
+    lse_ptr,  # [BN, RT, SB] f32 scratch of `_tile_lse_kernel`
+    tile_lse_ptr,  # [BN, RT, NT] f32 its per-tile row log-sum-exps
     shift_ptr,  # [B] int32
     rows_ptr,  # [B] int32
     cols_ptr,  # [B] int32
@@ -285,9 +265,9 @@ def _block_sums_kernel(
     SB: tl.constexpr,
     QB: tl.constexpr,  # query tiles per program
     BLOCK_J: tl.constexpr,
-    SCRATCH16: tl.constexpr = False,
-    NT: tl.constexpr = 1,
-    CB: tl.constexpr = 1,  # key blocks per column tile (SCRATCH16)
+    NT: tl.constexpr,  # column tiles of the score kernel
+    BLOCK_NT: tl.constexpr,  # of them per step
+    TILE_COLS: tl.constexpr,  # reduced columns per column tile
 ):
     bn_local = tl.program_id(1)
     b = (tl.load(bn0_ptr) + bn_local) // N
@@ -302,12 +282,14 @@ def _block_sums_kernel(
 
     mx = tl.full([QB * R], float("-inf"), tl.float32)
     l = tl.zeros([QB * R], tl.float32)
-    for j0 in range(0, SB, BLOCK_J):  # each row's log2-sum-exp2 over its visible blocks
-        j = j0 + offs_j
-        # Block j holds a visible column of row m iff its first column j·R does.
-        vis = (((j * R)[None, :] <= m[:, None] + shift) & (j * R < valid_cols)[None, :]
+    tiles = tile_lse_ptr + (bn_local.to(tl.int64) * RT + m[:, None]) * NT  # [QB * R, 1]
+    for t0 in range(0, NT, BLOCK_NT):  # each row's log2-sum-exp2 over its visible tiles
+        t = t0 + tl.arange(0, BLOCK_NT)
+        # Tile t holds a visible column of row m iff its first column does.
+        c = t * TILE_COLS
+        vis = ((c[None, :] <= m[:, None] + shift) & (c < valid_cols)[None, :] & (t < NT)[None, :]
                & row_ok[:, None])
-        x = _scratch_lse(rows, mx_ptr, bn_local, m, j, vis, RT, NT, CB, SCRATCH16)
+        x = tl.load(tiles + t[None, :], mask=vis, other=float("-inf"))  # [QB * R, BLOCK_NT]
         m_new = tl.maximum(mx, tl.max(x, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         l = l * tl.exp2(mx - m_use) + tl.sum(tl.exp2(x - m_use[:, None]), 1)
@@ -319,7 +301,7 @@ def _block_sums_kernel(
         j = j0 + offs_j
         vis = (((j * R)[None, :] <= m[:, None] + shift) & (j * R < valid_cols)[None, :]
                & row_ok[:, None])
-        x = _scratch_lse(rows, mx_ptr, bn_local, m, j, vis, RT, NT, CB, SCRATCH16)
+        x = tl.load(rows + j[None, :], mask=vis, other=float("-inf"))
         p = tl.where(vis, tl.exp2(x - row_lse[:, None]), 0.0)
         sums = tl.sum(tl.reshape(p, [QB, R, BLOCK_J]), 1)  # [QB, BLOCK_J]
         tl.store(out + j[None, :], sums, mask=(q_blocks < TB)[:, None] & (j < SB)[None, :])
@@ -440,31 +422,27 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
         q_scale = k_scale = jnp.zeros((1,), jnp.float32)
         precision = "ieee" if q.dtype == jnp.float32 else "tf32"
     nt = _cdiv(_cdiv(s, stride), block_c)  # column tiles
-    scratch_row = (2 * sb + 4 * nt) if config.scratch_f16 else 4 * sb  # bytes a reduced row
     pairs_per_launch = max(1, min(b * n, _MAX_GRID_Y,
-                                  config.scratch_bytes // (tb * r * scratch_row)))
-    scratch16 = dict(SCRATCH16=config.scratch_f16, NT=nt)
+                                  config.scratch_bytes // (tb * r * (sb + nt) * 4)))
     parts = []
     for bn0 in range(0, b * n, pairs_per_launch):
         count = min(pairs_per_launch, b * n - bn0)
         first = jnp.full((1,), bn0, jnp.int32)
-        lse, mx = triton_call(
+        lse, tile_lse = triton_call(
             q, k, q_len, kv_len, *geometry, jnp.asarray(tiles), scale, q_scale, k_scale, first,
             kernel=_tile_lse_kernel,
-            out_shape=(jax.ShapeDtypeStruct((count, tb * r, sb), jnp.float16
-                                            if config.scratch_f16 else jnp.float32),
-                       jax.ShapeDtypeStruct((count, tb * r, nt) if config.scratch_f16 else (1,),
-                                            jnp.float32)),
+            out_shape=(jax.ShapeDtypeStruct((count, tb * r, sb), jnp.float32),
+                       jax.ShapeDtypeStruct((count, tb * r, nt), jnp.float32)),
             grid=(tiles.shape[0], count),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
             T=t, S=s, K=kh, G=n // kh, H=h, ST=stride, R=r, RT=tb * r, SB=sb,
             BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_K=block_k, BLOCK_H=block_h,
             PRECISION=precision, FP8=config.fp8,
-            WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8, **scratch16,
+            WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8, NT=nt,
         )
         parts.append(triton_call(
-            lse, mx, *geometry, first,
+            lse, tile_lse, *geometry, first,
             kernel=_block_sums_kernel,
             out_shape=jax.ShapeDtypeStruct((count, tb, sb), jnp.float32),
             grid=(_cdiv(tb, qb), count),
@@ -472,7 +450,8 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
             num_stages=1,
             N=n, R=r, RT=tb * r, TB=tb, SB=sb, QB=qb,
             BLOCK_J=max(16, min(triton.next_power_of_2(sb), _FIXUP_ELEMENTS // (qb * r))),
-            CB=block_c // r, **scratch16,
+            NT=nt, BLOCK_NT=min(triton.next_power_of_2(nt), max(1, _FIXUP_ELEMENTS // (qb * r))),
+            TILE_COLS=block_c,
         ))
     sums = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     return sums.reshape(b, n, tb, sb)
