@@ -4,7 +4,7 @@
     python -m experiments.sweep_prefill_kernels paged  [--configs 128-64-8-3,128-64-8-3-ws,...]
     python -m experiments.sweep_prefill_kernels sparse [--configs ...]
     python -m experiments.sweep_prefill_kernels xattn
-    python -m experiments.sweep_prefill_kernels conv1d [--configs 8-512-4-1,16-1024-4-1-rows,...]
+    python -m experiments.sweep_prefill_kernels conv1d [--configs 8-512-4-1-rows-split-fast-cf,...]
 
 A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialised unmasked loop
 (block-sparse also `-hf`: programs heads fastest).
@@ -14,13 +14,14 @@ A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialise
   our dense flash (the goal: <= 1.15 x density x dense).
 - xattn: the estimate at S64K and S128K (stride 16), bf16 and `Config(fp8=True)` variants.
 - conv1d: causal conv1d prefill, B1 T32K, C = 8192, W4, bf16, SiLU, an initial state, against
-  the copy bandwidth; a config is `block_t-block_c-warps[-stream_store][-rows[-split]][-loop
-  [-segN]][-fast]`, `-rows` for the row-walking kernel (`Config(rows=True)`; the others are the
-  tile kernel), `-split` for its select-free path for blocks without a sequence start
-  (`rows_split=True`), `-loop` for its walking form over segments of N tokens (`loop=True`,
-  `seg_t=N`, default 512), `-fast` for the tanh SiLU (`fast_silu=True`), `-cf` for programs
-  channel blocks fastest (`channels_fastest=True`); `copy-T-C-warps[-cf]`: the row kernel's loads
-  and stores alone at that tile (`y = x`), its data-movement bound.
+  the copy bandwidth; a config is `block_t-block_c-warps[-stream_store][-rows[-split]][-fast]
+  [-cf]` (every flag spelled out: a missing one is off, whatever `Config()`'s default), `-rows`
+  for the row-walking kernel (`Config(rows=True)`; the others are the tile kernel), `-split` for
+  its select-free path for blocks without a sequence start (`rows_split=True`), `-fast` for the
+  tanh SiLU (`fast_silu=True`), `-cf` for programs channel blocks fastest
+  (`channels_fastest=True`); `copy-T-C-warps[-cf]`: the row kernel's loads and stores alone at
+  that tile (`y = x`), its data-movement bound. Default list: the measured candidates around the
+  default (`8-512-4-1-rows-split-fast-cf`).
 `--quick`: tiny shapes through the interpreter (for CI).
 """
 
@@ -242,16 +243,13 @@ def conv1d(configs, quick):
             print(f"  {text:18} {ms:9.4f} ms  {tbs:6.3f} TB/s = {tbs / ceiling:.3f} of copy",
                   flush=True)
             continue
-        # `Config.rows`, `.rows_split`, `.loop`, `.fast_silu`, `.seg_t`
-        flags = [p for p in parts
-                 if p in ("rows", "split", "loop", "fast", "cf") or p[:3] == "seg"]
-        seg = [int(p[3:]) for p in flags if p[:3] == "seg"]
+        # `Config.rows`, `.rows_split`, `.fast_silu`, `.channels_fastest`
+        flags = [p for p in parts if p in ("rows", "split", "fast", "cf")]
         bt, bc, warps, *stream = (int(v) for v in parts if v not in flags)
         cfg = conv_triton.Config(block_t=bt, block_c=bc, num_warps=warps,
                                  stream_store=bool(stream and stream[0]), rows="rows" in flags,
-                                 rows_split="split" in flags, loop="loop" in flags,
-                                 seg_t=seg[0] if seg else max(bt, 512),
-                                 fast_silu="fast" in flags, channels_fastest="cf" in flags)
+                                 rows_split="split" in flags, fast_silu="fast" in flags,
+                                 channels_fastest="cf" in flags)
         fn = jax.jit(lambda x, wt, s, cfg=cfg: conv_triton.causal_conv1d(
             x, wt, initial_state=s, activation="silu", config=cfg)[0])
         try:
@@ -277,14 +275,14 @@ def main(argv=None) -> None:
         return xattn(args.quick)
     default = {"paged": "128-64-8-3,128-64-8-3-ws,128-128-8-3-ws,128-128-8-2",
                "sparse": "128-128-8-3,128-128-8-3-hf,128-128-8-3-ws,128-64-8-3",
-               "conv1d": "8-512-4-1,16-1024-4-1-rows,32-1024-8-1-rows,32-512-4-1-rows,"
-                         "16-1024-4-1-rows-split,16-1024-8-1-rows-split,8-1024-4-1-rows-split"}
+               "conv1d": "8-512-4-1-rows-split-fast-cf,16-1024-4-1-rows-split-fast-cf,"
+                         "8-512-4-1-rows-split-cf,16-1024-4-1-rows-split,copy-8-512-4-cf,"
+                         "copy-8-1024-4-cf"}
     configs = (args.configs or default[args.kernel]).split(",")
     if args.quick:
         configs = (["8-16-4-1", "16-16-2", "8-16-4-1-rows", "8-16-4-1-rows-split",
-                    "4-16-4-1-rows-split-loop-seg12", "4-16-4-1-rows-split-loop-seg12-fast",
-                    "8-16-4-1-rows-fast", "copy-8-16-4",
-                    "8-16-4-1-rows-split-cf", "copy-8-16-4-cf"]
+                    "8-16-4-1-rows-split-fast-cf", "8-16-4-1-rows-fast", "copy-8-16-4",
+                    "8-16-4-1-rows-split-cf", "8-16-4-1-cf", "copy-8-16-4-cf"]
                    if args.kernel == "conv1d" else ["16-16-4-2"])
     {"paged": paged, "sparse": sparse, "conv1d": conv1d}[args.kernel](configs, args.quick)
 

@@ -4,9 +4,10 @@ Three kernels (the main one in two variants, `Config.rows` picks):
 
 * `_conv_prefill_kernel` (`Config(rows=False)`: the plain form, kept as the bitwise twin the row
   kernel is tested against on CPU and GPU, and for tile shapes the row kernel's registers do not
-  fit), grid `(cdiv(tokens, BLOCK_T), cdiv(C, BLOCK_C))`: one program
-  computes a `[BLOCK_T, BLOCK_C]` tile of `y` over the flattened token axis (`B · T` rows, or the
-  packed row with `cu_seqlens`). Tap j reads the tile shifted back by `W - 1 - j` tokens: the
+  fit; always the exact SiLU: it ignores `fast_silu`), grid `(cdiv(tokens, BLOCK_T), cdiv(C,
+  BLOCK_C))` (with `channels_fastest` one axis, channel blocks fastest): one program computes a
+  `[BLOCK_T, BLOCK_C]` tile of `y` over the flattened token axis (`B · T` rows, or the packed row
+  with `cu_seqlens`). Tap j reads the tile shifted back by `W - 1 - j` tokens: the
   first of the W loads brings the `W - 1` halo rows before the tile, the others hit L1 / L2, so
   DRAM sees each input about once (memory-bound: `x` in, `y` out). A tap that reaches before its
   token's own sequence start reads zero, so tiles may straddle sequence boundaries freely.
@@ -18,25 +19,15 @@ Three kernels (the main one in two variants, `Config.rows` picks):
   at compile time) and stores it. Each input row is loaded once per program (halo
   `(W - 1) / BLOCK_T`), against W overlapping tile loads in the tile variant. The zero fill and
   the float32 order of operations are the tile kernel's (taps j = 0..W-1, then the bias, then
-  SiLU; a tap before its token's sequence start contributes `+0.0 * w_j`), so `y` is bitwise the
-  tile kernel's and the state kernels are shared. Any W >= 2 (the tuple holds
+  SiLU; a tap before its token's sequence start contributes `+0.0 * w_j`), so with the exact SiLU
+  `y` is bitwise the tile kernel's, and the state kernels are shared. Any W >= 2 (the tuple holds
   `BLOCK_T + W - 1` rows: registers grow with `BLOCK_T x BLOCK_C / num_warps`; ptxas for sm_90
-  spills from 64 x 512 over 4 warps, 64 x 1024 over 8). H100, T32K C8192 W4: 0.822 of copy
-  bandwidth against the tile kernel's 0.782 (`Config`).
-* `_conv_prefill_loop_kernel` (`Config(loop=True)`, not measured yet, off), grid
-  `(cdiv(tokens, SEG_T), cdiv(C, BLOCK_C))`: the row kernel walking a segment of `SEG_T` tokens
-  in groups of `BLOCK_T` rows (a run-time loop). The `W - 1` halo rows are loaded once per
-  segment and then carried in registers (the window's last `W - 1` rows); each iteration first
-  issues the next group's loads (masked off past the segment), then computes and stores the
-  current group through the row kernel's code, so a program has loads in flight while it
-  computes and stores, where the row kernel alternates a load phase with a compute-and-store
-  phase (two 4-warp programs an SM at 255 registers). Groups are the row kernel's blocks: the
-  same selects, split and order of operations, `y` bit for bit. Registers: `2 BLOCK_T + W - 1`
-  rows plus weights; ptxas for sm_90 (T32K C8192 W4 bf16 SiLU, split, `fast_silu`): 8 x 512 over
-  4 warps 128 registers (4 programs an SM), 4 x 512 80, 16 x 512 164, 8 x 1024 over 8 warps 128,
-  8 x 1024 over 4 warps 254; no spills (`tests/conv1d/test_prefill_loop.py`). The jax-triton
-  0.3.1 `triton_call` passes no `maxnreg` to the compiler (its options are fixed: warps, stages,
-  CTAs, fp fusion), so registers are capped only through the tile shape.
+  spills from 64 x 512 over 4 warps, 64 x 1024 over 8). The default (`Config()`): 8 tokens x
+  512 channels over 4 warps, the select-free split, the tanh SiLU (`fast_silu`) and programs
+  channel blocks fastest (`channels_fastest`): H100, T32K C8192 W4 bf16 SiLU state, 0.904 of copy
+  bandwidth (session 6, run 4; figures in `Config`); ptxas for sm_90 (no bias, no varlen): 64
+  registers, no spills (`tests/conv1d/test_fast_silu.py`). Exact SiLU is
+  `Config(fast_silu=False)`, bitwise the tile kernel's `y`.
 * `_conv_state_fixup_kernel`, grid `(Ns, cdiv(C, BLOCK_C))`, only with an initial state:
   rewrites `y` of the first `W - 1` tokens of each sequence, whose taps reach into the state, so
   the main kernel reads no state (a run-time branch there for it measured ~1% slower on the
@@ -44,19 +35,26 @@ Three kernels (the main one in two variants, `Config.rows` picks):
 * `_conv_final_state_kernel`, grid `(Ns, cdiv(C, BLOCK_C))`: the last `W - 1` raw inputs of
   `concat(state, x)` per sequence (part of the old state when a sequence is shorter than `W - 1`).
 
+A walking form of the row kernel (one program per segment of tokens, walking it in groups of rows
+with the halo carried in registers and the next group's loads issued before the current group's
+stores) was tried and measured slower than the row kernel on the H100 in every config (0.817-0.853
+of copy bandwidth, 0.850 at 8 x 512 with segments of 512, fast SiLU, channels fastest; session 6):
+removed, its history in git.
+
 Numerics follow `attn.conv1d.reference.causal_conv1d`: the initial state is rounded to x's dtype
 first (XLA, before the call), products and the sum over taps are float32 (taps reading x first,
 in tap order, then those reading the state, then the bias: the first W - 1 tokens of a sequence
 may differ from the reference in the last float32 bit), SiLU in float32, `y` and the final state
 in x's dtype (the final state is raw inputs: bitwise equal).
 
-`Config(fast_silu=True)` (row and loop kernels, bf16 / f16 outputs; off): SiLU as `u + u tanh(u)`,
+`Config(fast_silu=True)` (the default; row kernel, bf16 / f16 outputs): SiLU as `u + u tanh(u)`,
 `u = a / 2`, through one `tanh.approx.f32` (ptxas for sm_90: 1 MUFU + 1 FMUL + 1 FFMA an element,
 against ~12 instructions and 2 MUFU for `a * sigmoid(a)`; the whole row loop from ~23 to ~13
 instructions an element at W4). Its error: `tanh.approx.f32`'s, about 2^-11 (PTX ISA), scaled by
 `|u|`: at most ~`|a| 2^-12` absolute, relative ~2^-11 for `a >= 0` (below bf16's 2^-9 rounding);
 for `a << 0`, where `1 + tanh(u)` cancels, the absolute bound holds but not the relative one (y
-is then tiny). The state fixup kernel keeps the exact SiLU.
+is then tiny). The state fixup kernel keeps the exact SiLU, and so do float32 outputs and the
+tile kernel: `Config(fast_silu=False)` for the exact SiLU everywhere.
 
 Supports: any C and W >= 2 (W padded to a power of two and masked in the state kernel), optional
 bias and initial state, SiLU or none, any float dtype, varlen via `cu_seqlens` (zero-length
@@ -80,43 +78,46 @@ class Config:
     """Launch configuration: token rows and channels per program, warps per program.
 
     H100 sweep (`experiments.sweep_prefill_kernels conv1d`, T32K, C = 8192, W4, bf16, SiLU,
-    state; NOTES.md sessions 4 and 5): the row kernel with the select-free split, 16 tokens x
-    1024 channels, 4 warps, streaming stores 0.433 ms = 0.822 of the copy ceiling (the default);
-    the tile kernel at 8 x 512 0.455 (0.782; 32 x 128 0.77; 8 warps and tiles of >= 64 tokens
-    0.56-0.73); rows without the split 0.65-0.77, with it at 8 x 1024 0.80, 8 warps 0.77.
+    state; fractions of the copy bandwidth, 3.02 TB/s in session 6). The default, the best
+    measured (session 6, run 4): the row kernel with the select-free split, 8 tokens x 512
+    channels, 4 warps, the tanh SiLU, programs channel blocks fastest: 0.904 (16 x 1024 the same
+    0.892, 32 x 1024 over 8 warps 0.886, 8 x 1024 0.858; the exact SiLU with channels fastest:
+    16 x 1024 0.799, 32 x 1024 over 8 warps 0.846; the tile kernel at 8 x 512 channels fastest
+    0.802). Token blocks fastest (the 2-D grid), session 6 runs 2-4: the row kernel at 16 x 1024
+    split 0.809-0.842 (the previous default; sessions 4 and 5: 0.822 against the tile kernel's
+    0.782 at 8 x 512), with the tanh SiLU 0.841-0.869, 32 x 1024 over 8 warps 0.872. The row
+    kernel's loads and stores alone (`y = x`, the sweep's `copy-T-C-warps`) bound it: token blocks
+    fastest 0.846-0.873, channel blocks fastest 0.898 (16 x 1024), 0.919 (8 x 1024), 0.908
+    (8 x 512).
     """
 
-    block_t: int = 16
-    block_c: int = 1024
+    block_t: int = 8
+    block_c: int = 512
     num_warps: int = 4
     # Store `y` with `evict_first` (streaming: y does not push the input's halo rows out of L2).
     stream_store: bool = True
-    # The row-walking main kernel (`_conv_prefill_rows_kernel`) instead of the tile kernel: same
-    # results bit for bit. Each program holds `BLOCK_T + W - 1` rows of `BLOCK_C / (32 *
-    # num_warps)` elements per thread in registers (e.g. 1024 channels over 4 warps: 16 bytes a
-    # row per lane, 35 rows at BLOCK_T = 32).
+    # The row-walking main kernel (`_conv_prefill_rows_kernel`) instead of the tile kernel: with
+    # the exact SiLU (`fast_silu=False`) the same results bit for bit. Each program holds
+    # `BLOCK_T + W - 1` rows of `BLOCK_C / (32 * num_warps)` elements per thread in registers
+    # (e.g. 1024 channels over 4 warps: 16 bytes a row per lane, 35 rows at BLOCK_T = 32).
     rows: bool = True
     # Rows kernel only: blocks that hold no sequence start (nearly all) skip the zero-fill selects
     # (3 of ~26 instructions an element at W4 with SiLU) through a run-time branch to a second
     # copy of the row loop (more registers: ptxas for sm_90 spills at 16 x 1024 over 4 warps).
     rows_split: bool = True
-    # The walking form of the row kernel (`_conv_prefill_loop_kernel`, needs `rows`): one program
-    # per `seg_t` tokens x `block_c` channels walks its segment in groups of `block_t` rows, the
-    # `W - 1` halo rows carried in registers from group to group and the next group's loads issued
-    # before the current group's compute and stores (a register double buffer), so that a program
-    # keeps loads in flight while it computes and stores. Bitwise the row kernel's `y`. Registers:
-    # `2 * block_t + W - 1` rows plus the weights (ptxas, sm_90, T32K C8192 W4 bf16 SiLU state:
-    # module docstring). Not measured yet: off.
-    loop: bool = False
-    seg_t: int = 512  # tokens per program of the loop kernel: a multiple of `block_t`
-    # SiLU as `u + u * tanh(u)`, `u = a / 2`, through one `tanh.approx.f32` (row and loop kernels,
-    # bf16 / f16 outputs; float32 outputs keep the exact form). Error: module docstring. Off.
-    fast_silu: bool = False
+    # SiLU as `u + u * tanh(u)`, `u = a / 2`, through one `tanh.approx.f32` (row kernel, bf16 /
+    # f16 outputs; float32 outputs and the tile kernel keep the exact form). Error: module
+    # docstring. H100 (session 6): 16 x 1024 split 0.809-0.842 of copy bandwidth exact, 0.841-0.869
+    # with it; channels fastest, 16 x 1024 0.799 exact against 0.892. On; `False` for the exact
+    # SiLU (the row kernel's `y` then bitwise the tile kernel's).
+    fast_silu: bool = True
     # Programs ordered channel blocks fastest (a 1-D grid): the programs in flight read and write
     # whole `C`-wide rows, contiguous memory, instead of one `block_c` slice of many rows (with
     # token blocks fastest, `block_c` of every `C` channels: 2 of each 16 KB row at C = 8192
-    # bf16). Same results bit for bit (the order of programs only). Not measured yet: off.
-    channels_fastest: bool = False
+    # bf16). Same results bit for bit (the order of programs only). H100 (session 6): the copy
+    # alone at 16 x 1024 0.846-0.873 of copy bandwidth token blocks fastest, 0.898 channel blocks
+    # fastest; the row kernel at 8 x 512 split fast 0.904 (the best measured). On.
+    channels_fastest: bool = True
 
     def __post_init__(self):
         if self.block_t < 1 or self.block_t & (self.block_t - 1):
@@ -125,10 +126,6 @@ class Config:
             raise ValueError(f"{self.block_c=} must be a power of two >= 16")
         if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
             raise ValueError(f"{self.num_warps=} must be a power of two >= 1")
-        if self.seg_t < self.block_t or self.seg_t % self.block_t:
-            raise ValueError(f"{self.seg_t=} must be a multiple of {self.block_t=}")
-        if (self.loop or self.fast_silu) and not self.rows:
-            raise ValueError("loop and fast_silu need the row kernel (rows=True)")
 
 
 @triton.jit
@@ -278,9 +275,9 @@ def _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, n_left, C: tl.constexpr, W
                    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_C: tl.constexpr, STREAM_STORE: tl.constexpr, ZERO_FILL: tl.constexpr,
                    FAST_SILU: tl.constexpr, HW_TANH: tl.constexpr):
-    """Rows `y[t0 + t]` of `_conv_prefill_rows_kernel` (or one group of the loop kernel) from its
-    register window `xs`; with `ZERO_FILL`, taps before their token's sequence start read 0 (the
-    tile kernel's masked load)."""
+    """Rows `y[t0 + t]` of `_conv_prefill_rows_kernel` from its register window `xs`; with
+    `ZERO_FILL`, taps before their token's sequence start read 0 (the tile kernel's masked
+    load)."""
     for t in tl.static_range(BLOCK_T):
         acc = tl.zeros((BLOCK_C,), tl.float32)
         for j in tl.static_range(W):
@@ -312,94 +309,6 @@ def _fast_silu(a, HW_TANH: tl.constexpr):
     else:
         th = 2.0 * tl.sigmoid(a) - 1.0
     return u + u * th
-
-
-@triton.jit
-def _conv_prefill_loop_kernel(
-    x_ptr,  # [N_TOK, C] flattened tokens
-    w_ptr,  # [C, W]
-    bias_ptr,  # [C] (a dummy unless HAS_BIAS)
-    seq_ptr,  # [N_TOK] int32 sequence of each token (a dummy unless VARLEN)
-    cu_ptr,  # [Ns + 1] int32 sequence starts (a dummy unless VARLEN)
-    y_ptr,  # [N_TOK, C]
-    N_TOK: tl.constexpr,
-    T_ROW: tl.constexpr,  # tokens per batch row without VARLEN
-    C: tl.constexpr,
-    W: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    VARLEN: tl.constexpr,
-    SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    STREAM_STORE: tl.constexpr,
-    SPLIT: tl.constexpr,  # a select-free path for groups without a sequence start
-    FAST_SILU: tl.constexpr,
-    HW_TANH: tl.constexpr,
-    SEG_T: tl.constexpr,  # tokens per program, a multiple of BLOCK_T
-    C_FASTEST: tl.constexpr = False,  # a 1-D grid, channel blocks fastest
-    NC: tl.constexpr = 1,  # channel blocks (C_FASTEST)
-):
-    """The row kernel walking `SEG_T` tokens in groups of `BLOCK_T` rows (module docstring): each
-    group is the row kernel's block at `t0 = g0`, its window the carried halo and its rows."""
-    tb, cb = _block_ids(C_FASTEST, NC)
-    s0 = tb * SEG_T
-    n_seg = tl.minimum(N_TOK - s0, SEG_T)  # tokens of this segment
-    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
-    mask_c = offs_c < C
-    x_base = x_ptr + s0.to(tl.int64) * C + offs_c
-    halo = ()  # rows g0 - (W - 1) .. g0 - 1: loaded once, then carried
-    for i in tl.static_range(W - 1):
-        halo = halo + (tl.load(x_base + (i - (W - 1)) * C,
-                               mask=mask_c & (s0 + (i - (W - 1)) >= 0), other=0.0),)
-    cur = ()  # rows g0 .. g0 + BLOCK_T - 1
-    for t in tl.static_range(BLOCK_T):
-        cur = cur + (tl.load(x_base + t * C, mask=mask_c & (t < n_seg), other=0.0),)
-    ws = ()
-    for j in tl.static_range(W):
-        ws = ws + (tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32),)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-    else:
-        bias = tl.zeros((BLOCK_C,), tl.float32)  # unused
-    for g in range(0, n_seg, BLOCK_T):  # g0 = s0 + g
-        # The next group's loads first (masked off past the segment): in flight during this
-        # group's compute and stores (the compiler keeps loads and stores in program order).
-        g0 = s0 + g
-        nxt_base = x_ptr + (g0 + BLOCK_T).to(tl.int64) * C + offs_c
-        nxt = ()
-        for t in tl.static_range(BLOCK_T):
-            nxt = nxt + (tl.load(nxt_base + t * C, mask=mask_c & (g + BLOCK_T + t < n_seg),
-                                 other=0.0),)
-        pos = ()
-        for t in tl.static_range(BLOCK_T):
-            tok = g0 + t
-            if VARLEN:
-                seq = tl.load(seq_ptr + tok, mask=tok < N_TOK, other=0)
-                start = tl.load(cu_ptr + seq, mask=tok < N_TOK, other=0)
-            else:
-                start = tok // T_ROW * T_ROW
-            pos = pos + (tok - start,)
-        xs = halo + cur
-        y_g = y_ptr + g0.to(tl.int64) * C + offs_c
-        if SPLIT:  # as in the row kernel, per group
-            last = tl.minimum(g0 + BLOCK_T, N_TOK) - 1
-            if VARLEN:
-                start_last = tl.load(cu_ptr + tl.load(seq_ptr + last))
-            else:
-                start_last = last // T_ROW * T_ROW
-            if start_last <= g0 - (W - 1):
-                _conv_rows_out(xs, pos, ws, bias, y_g, mask_c, N_TOK - g0, C, W, HAS_BIAS, SILU,
-                               BLOCK_T, BLOCK_C, STREAM_STORE, False, FAST_SILU, HW_TANH)
-            else:
-                _conv_rows_out(xs, pos, ws, bias, y_g, mask_c, N_TOK - g0, C, W, HAS_BIAS, SILU,
-                               BLOCK_T, BLOCK_C, STREAM_STORE, True, FAST_SILU, HW_TANH)
-        else:
-            _conv_rows_out(xs, pos, ws, bias, y_g, mask_c, N_TOK - g0, C, W, HAS_BIAS, SILU,
-                           BLOCK_T, BLOCK_C, STREAM_STORE, True, FAST_SILU, HW_TANH)
-        halo = ()
-        for i in tl.static_range(W - 1):
-            halo = halo + (xs[BLOCK_T + i],)
-        cur = nxt
 
 
 @triton.jit
@@ -542,24 +451,19 @@ def _forward(x, weight, bias, initial_state, cu_seqlens, *, activation, config):
     block_c = min(config.block_c, max(16, triton.next_power_of_2(c)))
     block_t = min(config.block_t, triton.next_power_of_2(n_tok))
     bias_arg = jnp.zeros((1,), jnp.float32) if bias is None else bias
-    # Kernel-specific launch: the tile kernel, the row kernel, or its walking (loop) form.
-    kernel, seg_t, rows_args = _conv_prefill_kernel, block_t, {}
+    # Kernel-specific launch: the tile kernel or the row kernel.
+    kernel, rows_args = _conv_prefill_kernel, {}
     nc = triton.cdiv(c, block_c)
     if config.rows:
         kernel = _conv_prefill_rows_kernel
         fast = config.fast_silu and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
         rows_args = dict(SPLIT=config.rows_split, FAST_SILU=fast, HW_TANH=on_gpu())
-    if config.loop:
-        kernel = _conv_prefill_loop_kernel
-        # Whole groups, no longer than the (group-rounded) token count.
-        seg_t = min(config.seg_t // config.block_t * block_t, triton.cdiv(n_tok, block_t) * block_t)
-        rows_args["SEG_T"] = seg_t
     y = triton_call(
         xf, weight, bias_arg, seq, cu,
         kernel=kernel,
         out_shape=jax.ShapeDtypeStruct((n_tok, c), x.dtype),
-        grid=((triton.cdiv(n_tok, seg_t) * nc,) if config.channels_fastest
-              else (triton.cdiv(n_tok, seg_t), nc)),
+        grid=((triton.cdiv(n_tok, block_t) * nc,) if config.channels_fastest
+              else (triton.cdiv(n_tok, block_t), nc)),
         num_warps=config.num_warps,
         N_TOK=n_tok, T_ROW=t, C=c, W=w, HAS_BIAS=bias is not None, VARLEN=cu_seqlens is not None,
         SILU=activation == "silu", BLOCK_T=block_t, BLOCK_C=block_c,
