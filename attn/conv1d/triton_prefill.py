@@ -23,10 +23,10 @@ Three kernels (the main one in two variants, `Config.rows` picks):
   `y` is bitwise the tile kernel's, and the state kernels are shared. Any W >= 2 (the tuple holds
   `BLOCK_T + W - 1` rows: registers grow with `BLOCK_T x BLOCK_C / num_warps`; ptxas for sm_90
   spills from 64 x 512 over 4 warps, 64 x 1024 over 8). The default (`Config()`): 8 tokens x
-  1024 channels over 8 warps, the select-free split, the tanh SiLU (`fast_silu`) and programs
-  channel blocks fastest (`channels_fastest`): H100, T32K C8192 W4 bf16 SiLU state, 0.920 of copy
-  bandwidth in the sweep (session 6, run 7; figures in `Config`); no spills for sm_90
-  (`tests/conv1d/test_fast_silu.py`). Exact SiLU is
+  512 channels over 4 warps, the select-free split, the tanh SiLU (`fast_silu`) and programs
+  channel blocks fastest (`channels_fastest`): H100, T32K C8192 W4 bf16 SiLU state, 0.895-0.904
+  of copy bandwidth over four measurements (session 6; figures in `Config`); ptxas for sm_90 (no
+  bias, no varlen): 64 registers, no spills (`tests/conv1d/test_fast_silu.py`). Exact SiLU is
   `Config(fast_silu=False)`, bitwise the tile kernel's `y`.
 * `_conv_state_fixup_kernel`, grid `(Ns, cdiv(C, BLOCK_C))`, only with an initial state:
   rewrites `y` of the first `W - 1` tokens of each sequence, whose taps reach into the state, so
@@ -78,23 +78,25 @@ class Config:
     """Launch configuration: token rows and channels per program, warps per program.
 
     H100 sweep (`experiments.sweep_prefill_kernels conv1d`, T32K, C = 8192, W4, bf16, SiLU, state;
-    fractions of the copy bandwidth, 3.02 TB/s in session 6). The default, the best measured
-    (session 6, run 7): the row kernel with the select-free split, 8 tokens x 1024 channels, 8
-    warps, the tanh SiLU, programs channel blocks fastest: 0.920 (the same run: 8 x 256 over 2 warps
-    0.910, 4 x 512 over 4 0.903, 8 x 512 over 4 0.895-0.899 (0.904 in run 4, 0.895 in run 6's
-    bench), over 8 0.881, 16 x 512 0.878, 4 x 1024 over 4 0.568; run 4: 16 x 1024 the same 0.892, 32
-    x 1024 over 8 warps 0.886, 8 x 1024 over 4 0.858; the exact SiLU with channels fastest: 16 x
-    1024 0.799, 32 x 1024 over 8 warps 0.846; the tile kernel at 8 x 512 channels fastest 0.802).
-    Token blocks fastest (the 2-D grid), session 6 runs 2-4: the row kernel at 16 x 1024 split
-    0.809-0.842 (the previous default; sessions 4 and 5: 0.822 against the tile kernel's 0.782 at 8
-    x 512), with the tanh SiLU 0.841-0.869, 32 x 1024 over 8 warps 0.872. The row kernel's loads and
-    stores alone (`y = x`, the sweep's `copy-T-C-warps`) bound it: token blocks fastest 0.846-0.873,
-    channel blocks fastest 0.898 (16 x 1024), 0.919 (8 x 1024), 0.908 (8 x 512).
+    fractions of the copy bandwidth, 3.02 TB/s in session 6). The default: the row kernel with the
+    select-free split, 8 tokens x 512 channels, 4 warps, the tanh SiLU, programs channel blocks
+    fastest: 0.895-0.904 over four measurements (session 6: sweeps in runs 4 and 7, `bench_prefill`
+    in runs 6 and 7), varlen-4 0.80-0.83. 8 x 1024 over 8 warps measured 0.920 in run 7's sweep but
+    0.892 (varlen 0.74) in run 8's bench on another machine start: not taken. Also measured (run 7):
+    8 x 256 over 2 warps 0.910, 4 x 512 over 4 0.903, 8 x 512 over 8 0.881, 16 x 512 0.878, 4 x 1024
+    over 4 0.568; run 4: 16 x 1024 0.892, 32 x 1024 over 8 warps 0.886, 8 x 1024 over 4 0.858; the
+    exact SiLU with channels fastest: 16 x 1024 0.799, 32 x 1024 over 8 warps 0.846; the tile kernel
+    at 8 x 512 channels fastest 0.802. Token blocks fastest (the 2-D grid), session 6 runs 2-4: the
+    row kernel at 16 x 1024 split 0.809-0.842 (the previous default; sessions 4 and 5: 0.822 against
+    the tile kernel's 0.782 at 8 x 512), with the tanh SiLU 0.841-0.869, 32 x 1024 over 8 warps
+    0.872. The row kernel's loads and stores alone (`y = x`, the sweep's `copy-T-C-warps`) bound it:
+    token blocks fastest 0.846-0.873, channel blocks fastest 0.898 (16 x 1024), 0.909-0.919 (8 x
+    1024 and 8 x 512).
     """
 
     block_t: int = 8
-    block_c: int = 1024
-    num_warps: int = 8
+    block_c: int = 512
+    num_warps: int = 4
     # Store `y` with `evict_first` (streaming: y does not push the input's halo rows out of L2).
     stream_store: bool = True
     # The row-walking main kernel (`_conv_prefill_rows_kernel`) instead of the tile kernel: with
@@ -117,7 +119,7 @@ class Config:
     # token blocks fastest, `block_c` of every `C` channels: 2 of each 16 KB row at C = 8192
     # bf16). Same results bit for bit (the order of programs only). H100 (session 6): the copy
     # alone at 16 x 1024 0.846-0.873 of copy bandwidth token blocks fastest, 0.898 channel blocks
-    # fastest; the row kernel at 8 x 1024 over 8 warps, split, fast 0.920 (the best measured). On.
+    # fastest; the row kernel at 8 x 512 split fast 0.895-0.904 (`Config`'s figures). On.
     channels_fastest: bool = True
 
     def __post_init__(self):

@@ -61,7 +61,7 @@ def _same(a, b):
 def test_fast_silu_is_the_default():
     cfg = prefill.Config()
     assert cfg.rows and cfg.rows_split and cfg.fast_silu and cfg.channels_fastest
-    assert (cfg.block_t, cfg.block_c, cfg.num_warps) == (8, 1024, 8)
+    assert (cfg.block_t, cfg.block_c, cfg.num_warps) == (8, 512, 4)
 
 
 @pytest.mark.parametrize("cfg", [dataclasses.replace(EXACT, fast_silu=True),
@@ -98,8 +98,8 @@ def test_fast_silu_is_ignored_for_float32_and_by_the_tile_kernel():
 
 # Compiled for sm_90 (T32K C8192 W4 bf16 SiLU): the default and the sweep's other row configs:
 # block_t, block_c, warps, fast_silu, rows_split, channels_fastest.
-COMPILED = [(8, 1024, 8, True, True, True), (8, 512, 4, True, True, True),
-            (16, 1024, 4, True, True, True), (8, 512, 4, False, True, True)]
+COMPILED = [(8, 512, 4, True, True, True), (16, 1024, 4, True, True, True),
+            (8, 512, 4, False, True, True)]
 
 _AOT = textwrap.dedent("""
     import os, subprocess, sys, tempfile
@@ -134,7 +134,7 @@ _AOT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_rows_kernel_compiles_for_sm90_without_spills():
-    """The default config (8 x 1024 over 8 warps, split, fast SiLU, channels fastest) and three
+    """The default config (8 x 512 over 4 warps, split, fast SiLU, channels fastest) and two
     others compiled for Hopper on any machine (T32K C8192 W4 bf16 SiLU): no spills (ptxas -v),
     and the fast SiLU emits `tanh.approx.f32` (absent from the exact one)."""
     assert (prefill.Config().block_t, prefill.Config().block_c) == COMPILED[0][:2]
