@@ -175,7 +175,8 @@ def estimate_rows(args, ctx):
                 dense_ms=round(dense_ms, 4),
                 mask_density_on_random_inputs=round(selected, 4),
                 mask_agreement_with_bf16=round(float(jnp.mean(mask == bf16_mask)), 5),
-                config=_config_of(xattn_triton))
+                config=(dataclasses.asdict(xattn_triton.FP8_CONFIG) if fp8
+                        else _config_of(xattn_triton)))
         del q, k, v, mask, bf16_mask
 
 
