@@ -114,6 +114,7 @@ def elastic_prefill_attention(
     threshold: float = 0.9,
     norm: float = 1.0,
     chunk_size: int | None = None,
+    estimate_fp8: bool = False,
     sink_blocks: int | Int[Array, " N"] = 1,
     local_blocks: int | Int[Array, " N"] = 16,
     q_lengths: Int[Array, " B"] | None = None,
@@ -131,6 +132,10 @@ def elastic_prefill_attention(
       q, k, v: `[B, T, N, H]`, `[B, S, K, H]`, `[B, S, K, Hv]` after RoPE.
       head_mask_type: `[B, N]` int32 modes (e.g. from `derive_head_mask_type`).
       block_size, stride, threshold, norm, chunk_size: XAttention parameters (`xattn_estimate`).
+      estimate_fp8: the estimate on q and k rounded to e4m3 (`xattn_estimate(..., fp8=True)`:
+        the fp8 tensor cores on a GPU; H100, N32 K8 H128, block 128, stride 16, density 0.1:
+        19.8% / 18.7% of estimate + sparse at S64K / S128K against 25.5% / 26.1% in bf16, 99.7%
+        of mask entries the same on random inputs).
       sink_blocks, local_blocks: streaming geometry (`ceil(sink_size / bs)`,
         `ceil(local_window_size / bs)`; 1 and 16 for the seed's 128 / 2048 tokens).
       q_lengths, kv_lengths: `[B]` int32 valid lengths.
@@ -146,7 +151,7 @@ def elastic_prefill_attention(
     """
     _, block_mask = xattn_estimate(
         q, k, block_size=block_size, stride=stride, threshold=threshold, norm=norm,
-        chunk_size=chunk_size, q_lengths=q_lengths, kv_lengths=kv_lengths,
+        chunk_size=chunk_size, q_lengths=q_lengths, kv_lengths=kv_lengths, fp8=estimate_fp8,
         implementation=implementation)
     return block_sparse_attention(
         q, k, v, head_mask_type, block_mask, block_size=block_size, sink_blocks=sink_blocks,

@@ -17,6 +17,7 @@ from attn.elastic import (
     elastic_prefill_attention,
     load_hf_state,
 )
+from attn.elastic import api as elastic_api
 from attn.xattention import xattn_estimate
 from tests.utils import AttentionTestBase, assert_close, poison, randn, rng
 
@@ -172,16 +173,22 @@ def test_ctx_q_pool_errors():
         ctx_q_pool(k, boundary=0)
 
 
-def test_elastic_prefill_is_xattention_then_block_sparse():
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-estimate", "fp8-estimate"])
+def test_elastic_prefill_is_xattention_then_block_sparse(fp8, monkeypatch):
     gen = rng()
+    seen = []  # the estimate's fp8 flag as elastic passes it (the masks here agree either way)
+    monkeypatch.setattr(elastic_api, "xattn_estimate",
+                        lambda *a, **kw: seen.append(kw["fp8"]) or xattn_estimate(*a, **kw))
     B, T, S, N, K, H, bs, st = 2, 40, 64, 4, 2, 16, 16, 4
     q, k, v = randn(gen, (B, T, N, H)), randn(gen, (B, S, K, H)), randn(gen, (B, S, K, H))
     lens = dict(q_lengths=jnp.asarray([40, 17]), kv_lengths=jnp.asarray([64, 49]))
     z = jnp.asarray([[1, 0], [0, 0]], jnp.int32)
     modes = derive_head_mask_type(z, "full", "xattn", N // K)
     kw = dict(block_size=bs, sink_blocks=1, local_blocks=2, **lens)
-    out, lse = elastic_prefill_attention(q, k, v, modes, stride=st, threshold=0.3, **kw)
-    _, mask = xattn_estimate(q, k, block_size=bs, stride=st, threshold=0.3, **lens)
+    out, lse = elastic_prefill_attention(q, k, v, modes, stride=st, threshold=0.3,
+                                         estimate_fp8=fp8, **kw)
+    assert seen == [fp8]
+    _, mask = xattn_estimate(q, k, block_size=bs, stride=st, threshold=0.3, fp8=fp8, **lens)
     exp_out, exp_lse = block_sparse_attention(q, k, v, modes, mask, **kw)
     AttentionTestBase.check_output(out, lse, exp_out, exp_lse)
     # retrieval heads of request 0 are plain causal attention
