@@ -20,42 +20,19 @@ import pytest
 
 from attn.conv1d import reference as ref
 from attn.conv1d import triton_prefill as prefill
+from tests.conv1d.test_prefill_rows import _bits, _run, _same
+from tests.conv1d.test_prefill_rows import _problem as _rows_problem
 from tests.utils import assert_close, rng
 
 ref_conv = jax.jit(ref.causal_conv1d, static_argnames=("activation",))
 EXACT = prefill.Config(block_t=8, block_c=16, rows_split=False, fast_silu=False)
-# Empty sequences, shorter than W, starting mid-block; 55 tokens.
+# Empty sequences, shorter than W, starting mid-block; 55 tokens. B2 rows of 45: the second row
+# starts mid-block.
 LENS = [2, 0, 1, 3, 0, 10, 9, 13, 17]
 
 
-def _bits(x):
-    x = np.asarray(x)
-    return x.view({4: np.uint32, 2: np.uint16}[x.dtype.itemsize])
-
-
-def _problem(gen, *, w, varlen, state, bias, dtype=jnp.bfloat16, c=40):
-    if varlen:
-        cu = np.concatenate([[0], np.cumsum(LENS)]).astype(np.int32)
-        b, t, ns = 1, int(cu[-1]), len(LENS)
-        cu = jnp.asarray(cu)
-    else:  # B2: the second row starts at token 45, mid-block
-        b, t, ns, cu = 2, 45, 2, None
-    x = jnp.asarray(gen.standard_normal((b, t, c), np.float32), dtype)
-    weight = jnp.asarray(gen.standard_normal((c, w), np.float32) * 0.5, dtype)
-    bias_ = jnp.asarray(gen.standard_normal((c,), np.float32), dtype) if bias else None
-    h0 = jnp.asarray(gen.standard_normal((ns, c, w - 1), np.float32), dtype) if state else None
-    return x, weight, bias_, h0, cu
-
-
-def _run(config, x, weight, bias, h0, cu, act):
-    return prefill.causal_conv1d(x, weight, bias, initial_state=h0, activation=act,
-                                 cu_seqlens=cu, config=config)
-
-
-def _same(a, b):
-    for u, v in zip(a, b, strict=True):
-        assert u.shape == v.shape and u.dtype == v.dtype
-        np.testing.assert_array_equal(_bits(u), _bits(v))
+def _problem(gen, **kw):
+    return _rows_problem(gen, lens=LENS, t=45, **kw)
 
 
 def test_fast_silu_is_the_default():

@@ -37,13 +37,14 @@ def _bits(x):
     return x.view({4: np.uint32, 2: np.uint16}[x.dtype.itemsize])
 
 
-def _problem(gen, *, w, varlen, state, bias, dtype=jnp.bfloat16, c=40):
+def _problem(gen, *, w, varlen, state, bias, dtype=jnp.bfloat16, c=40, lens=LENS, t=13):
+    """`(x, weight, bias, h0, cu_seqlens)`: the packed `lens` with varlen, else B2 rows of `t`."""
     if varlen:
-        cu = np.concatenate([[0], np.cumsum(LENS)]).astype(np.int32)
-        b, t, ns = 1, int(cu[-1]), len(LENS)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        b, t, ns = 1, int(cu[-1]), len(lens)
         cu = jnp.asarray(cu)
     else:
-        b, t, ns, cu = 2, 13, 2, None
+        b, ns, cu = 2, 2, None
     x = jnp.asarray(gen.standard_normal((b, t, c), np.float32), dtype)
     weight = jnp.asarray(gen.standard_normal((c, w), np.float32) * 0.5, dtype)
     bias_ = jnp.asarray(gen.standard_normal((c,), np.float32), dtype) if bias else None
@@ -54,6 +55,13 @@ def _problem(gen, *, w, varlen, state, bias, dtype=jnp.bfloat16, c=40):
 def _run(config, x, weight, bias, h0, cu, act):
     return prefill.causal_conv1d(x, weight, bias, initial_state=h0, activation=act,
                                  cu_seqlens=cu, config=config)
+
+
+def _same(a, b):
+    """Both outputs (y, final state) bit for bit."""
+    for u, v in zip(a, b, strict=True):
+        assert u.shape == v.shape and u.dtype == v.dtype
+        np.testing.assert_array_equal(_bits(u), _bits(v))
 
 
 def _check(rows, tile, expected, split=None):
@@ -167,7 +175,5 @@ def test_channels_fastest_is_the_same_kernel_bitwise(base, varlen):
     y and the final state bit for bit the 2-D grid's. C = 40 over blocks of 16 (three channel
     blocks, the last masked), so a wrong (token, channel) split of the program id shows."""
     args = _problem(rng(), w=4, varlen=varlen, state=True, bias=True)
-    got = _run(dataclasses.replace(base, channels_fastest=True), *args, "silu")
-    want = _run(base, *args, "silu")
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+    _same(_run(dataclasses.replace(base, channels_fastest=True), *args, "silu"),
+          _run(base, *args, "silu"))
