@@ -518,6 +518,8 @@ def select_blocks_kernel(block_sums, diagonal, threshold, *, num_warps=None):
     1.418). Each bisection step is a row sum, which across warps goes through shared memory and a
     barrier: one warp (512 blocks) / two (1024) take 0.119 / 0.477 ms (4 warps 0.201 / 0.526, 8
     warps 0.375 / 0.782; session 6 run 3). `num_warps` overrides that choice."""
+    if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1)):
+        raise ValueError(f"num_warps={num_warps} must be a power of two >= 1")
     b, n, tb, sb = block_sums.shape
     tau = jnp.reshape(jnp.asarray(threshold, jnp.float32), (1,))
     out = triton_call(

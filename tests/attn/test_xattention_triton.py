@@ -177,6 +177,12 @@ def test_config_refuses(field, value):
         kernel.Config(**{field: value})
 
 
+def test_select_kernel_refuses_bad_warps():
+    sums = jnp.ones((1, 1, 2, 2), jnp.float32)
+    with pytest.raises(ValueError, match="num_warps=3 must be a power of two"):
+        kernel.select_blocks_kernel(sums, jnp.zeros((1, 2), jnp.int32), 0.9, num_warps=3)
+
+
 def test_config_refuses_fp8_below_one_mma_slice():
     with pytest.raises(ValueError, match="block_k=16 must be >= 32 with fp8"):
         kernel.Config(fp8=True, block_k=16)
