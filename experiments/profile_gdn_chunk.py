@@ -79,6 +79,13 @@ VARIANTS = {
     "v16-stages1": dict(block_hv_state=16, state_stages=1),
     "w8": dict(state_warps=8),
     "intra-w8": dict(intra_warps=8),
+    # Session 7: one intra program per pair of value heads (`Config.intra_pairs`): K Kᵀ once,
+    # the two heads' dependent solve chains side by side (batched 3-D dots, or two 2-D chains
+    # interleaved step by step); 4 and 8 warps (the pair's tiles double the live registers).
+    "pairs": dict(intra_pairs="batched"),
+    "pairs-w8": dict(intra_pairs="batched", intra_warps=8),
+    "pairs-interleaved": dict(intra_pairs="interleaved"),
+    "pairs-interleaved-w8": dict(intra_pairs="interleaved", intra_warps=8),
 }
 
 
@@ -277,7 +284,7 @@ for text in sys.argv[1:]:
     common = dict(EPS=1e-6, L2NORM=True, F32=False, NK=16, NV=32, H=128, HV=128, BLOCK_H=128)
     common.update(tc.kernel_options(c))
     qn = dict(on=c.store_qn and c.store_kn and c.fuse_output, off=32768 * 16 * 128)
-    report(tc._intra_kernel,
+    report(tc.intra_kernel(c),
            dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, g_ptr=f32, beta_ptr=f32, cstart_ptr=i32,
                 clen_ptr=i32, gcum_ptr=f32, w_ptr=bf, u_ptr=bf, kn_ptr=bf, p_ptr=bf),
            dict(common, BT=64, BLOCK_HV=128, SCALE=128 ** -0.5, **tc.intra_options(c),

@@ -60,6 +60,7 @@ from attn.gdn.reference import L2NORM_EPS
 CHUNK = 64
 _SUB = 16  # rows of the blocks the (I + A)⁻¹ solve works on; CHUNK == 4 * _SUB
 SOLVES = ("subst", "subst_hoist", "nested", "stacked")
+INTRA_PAIRS = ("off", "batched", "interleaved")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,8 +138,20 @@ class Config:
     # puts them into its dots as loaded, instead of re-normalising Q ([C, H] float32: cast,
     # square, row sum, rsqrt, scale) on every chunk step of every value slice.
     store_qn: bool = False
+    # Session 7 (untimed as of writing): one intra program per pair of value heads of a key head
+    # (`_intra_pair_kernel`; Nv // Nk even, the "stacked" solve): K loaded, normalised and
+    # multiplied by itself once, the two heads' 15-step solve chains side by side, "batched" as
+    # 3-D `[2, C, C] x [2, C, 16]` dots (mma.sync on Hopper) or "interleaved" (two 2-D dots per
+    # step); half the programs. Same algebra as "off" but for β applied to K Kᵀ's rows after the
+    # dot instead of to K before it (G, P and the normalised keys / queries bitwise the same).
+    intra_pairs: str = "off"
 
     def __post_init__(self):
+        if self.intra_pairs not in INTRA_PAIRS:
+            raise ValueError(f"intra_pairs={self.intra_pairs!r} must be one of {INTRA_PAIRS}")
+        if self.intra_pairs != "off" and self.solve != "stacked":
+            raise ValueError(f"intra_pairs={self.intra_pairs!r} needs solve='stacked', "
+                             f"not {self.solve!r}")
         for name in ("qk_in_state", "store_qn"):
             if getattr(self, name) and not self.fuse_output:
                 raise ValueError(f"{name} needs fuse_output")
@@ -374,6 +387,213 @@ def _intra_kernel(
                 mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
     u = _dot_lp(t_inv, v * beta[:, None], F32)  # U = T (β V)
     _store_rows(u_ptr, start, r, I32, valid, head, offs_v, mask_v, u, NV, HV)
+
+
+# `Config.intra_pairs`: one intra program per pair of value heads of a key head (value heads
+# 2j and 2j + 1, of key head 2j // (Nv // Nk); Nv // Nk even). K is loaded, normalised and
+# multiplied by itself once ([C, C], β applied to its rows afterwards, not to K before the
+# dot), P's Q Kᵀ once; the two heads' solves run side by side: two independent dependent chains
+# in one instruction stream, so each hides the other's dot latency.
+
+
+@triton.jit
+def _pair_stack(x0, x1):
+    """`[2, M, N]` from two `[M, N]` tiles (batch first, as a 3-D `tl.dot` takes it)."""
+    return tl.permute(tl.join(x0, x1), (2, 0, 1))
+
+
+@triton.jit
+def _pair_unstack(x):
+    """The two `[M, N]` tiles of a `[2, M, N]` one."""
+    return tl.split(tl.permute(x, (1, 2, 0)))
+
+
+@triton.jit
+def _pair_subst_batched(a, r, SB: tl.constexpr, BT: tl.constexpr, F32: tl.constexpr,
+                        LP: tl.constexpr):
+    """`_block_subst_stacked` on a `[2, BT, BT]` pair of A matrices: each step one batched
+    `[2, BT, BT] × [2, BT, SB]` dot (both chains in one instruction); returns the
+    block-diagonal inverses `[2, BT, BT]`."""
+    same = ((r[:, None] // SB) == (r[None, :] // SB))[None, :, :]
+    a_diag = tl.where(same, a, 0.0)
+    c = tl.arange(0, SB)
+    d = tl.broadcast_to(tl.where((r % SB)[:, None] == c[None, :], 1.0, 0.0)[None, :, :],
+                        (2, BT, SB))
+    for i in range(1, SB):
+        sel = (r % SB == i)[None, :, None]
+        d = tl.where(sel, d - _sdot(a_diag, d, F32, LP), d)
+    full = tl.reshape(tl.broadcast_to(d[:, :, None, :], (2, BT, BT // SB, SB)), (2, BT, BT))
+    return tl.where(same, full, 0.0)
+
+
+@triton.jit
+def _pair_merge_batched(a, d, r, BT: tl.constexpr, INNER: tl.constexpr, F32: tl.constexpr,
+                        LP: tl.constexpr):
+    """`_block_merge` on `[2, BT, BT]` pairs (batched dots)."""
+    outer = (r[:, None] // (4 * INNER)) == (r[None, :] // (4 * INNER))
+    off = (outer & ((r[:, None] // INNER) != (r[None, :] // INNER)))[None, :, :]
+    eye = tl.broadcast_to(tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :], (2, BT, BT))
+    nil = _sdot(d, tl.where(off, a, 0.0), F32, LP)
+    return _sdot(_sdot(eye - nil, eye + _sdot(nil, nil, F32, LP), F32, LP), d, F32, LP)
+
+
+@triton.jit
+def _pair_subst_interleaved(a0, a1, r, SB: tl.constexpr, BT: tl.constexpr, F32: tl.constexpr,
+                            LP: tl.constexpr):
+    """`_block_subst_stacked` on two A matrices, their steps interleaved (two independent 2-D
+    dots per step); returns both block-diagonal inverses `[BT, BT]`."""
+    same = (r[:, None] // SB) == (r[None, :] // SB)
+    a0 = tl.where(same, a0, 0.0)
+    a1 = tl.where(same, a1, 0.0)
+    c = tl.arange(0, SB)
+    d0 = tl.where((r % SB)[:, None] == c[None, :], 1.0, 0.0)
+    d1 = d0
+    for i in range(1, SB):
+        sel = (r % SB == i)[:, None]
+        d0 = tl.where(sel, d0 - _sdot(a0, d0, F32, LP), d0)
+        d1 = tl.where(sel, d1 - _sdot(a1, d1, F32, LP), d1)
+    full0 = tl.reshape(tl.broadcast_to(d0[:, None, :], (BT, BT // SB, SB)), (BT, BT))
+    full1 = tl.reshape(tl.broadcast_to(d1[:, None, :], (BT, BT // SB, SB)), (BT, BT))
+    return tl.where(same, full0, 0.0), tl.where(same, full1, 0.0)
+
+
+@triton.jit
+def _pair_merge_interleaved(a0, a1, d0, d1, r, INNER: tl.constexpr, F32: tl.constexpr,
+                            LP: tl.constexpr):
+    """`_block_merge` on two matrices, dot by dot interleaved."""
+    outer = (r[:, None] // (4 * INNER)) == (r[None, :] // (4 * INNER))
+    off = outer & ((r[:, None] // INNER) != (r[None, :] // INNER))
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    nil0 = _sdot(d0, tl.where(off, a0, 0.0), F32, LP)
+    nil1 = _sdot(d1, tl.where(off, a1, 0.0), F32, LP)
+    sq0 = _sdot(nil0, nil0, F32, LP)
+    sq1 = _sdot(nil1, nil1, F32, LP)
+    m0 = _sdot(eye - nil0, eye + sq0, F32, LP)
+    m1 = _sdot(eye - nil1, eye + sq1, F32, LP)
+    return _sdot(m0, d0, F32, LP), _sdot(m1, d1, F32, LP)
+
+
+@triton.jit
+def _pair_gates(g_ptr, beta_ptr, gcum_ptr, start, r, I32: tl.constexpr, valid, head,
+                NV: tl.constexpr):
+    """β and G `[BT]` of value head `head` (G stored), as `_intra_kernel` makes them."""
+    beta = tl.load(_col(beta_ptr, start, r, I32, head, NV), mask=valid, other=0.0).to(tl.float32)
+    gc = tl.cumsum(tl.load(_col(g_ptr, start, r, I32, head, NV), mask=valid,
+                           other=0.0).to(tl.float32), axis=0)
+    tl.store(_col(gcum_ptr, start, r, I32, head, NV), gc, mask=valid)
+    return beta, gc
+
+
+@triton.jit
+def _pair_scores(qk, gc, p_ptr, start, r, I32: tl.constexpr, valid, head, NV: tl.constexpr,
+                 BT: tl.constexpr):
+    """P = (Q Kᵀ) ⊙ L of value head `head` from the shared `qk` (scaled Q times Kᵀ), stored:
+    `_intra_kernel`'s arithmetic in its order."""
+    causal = r[:, None] >= r[None, :]
+    pdecay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
+    scores = tl.where(causal, qk * pdecay, 0.0)
+    _store_rows(p_ptr, start, r, I32, valid, head, r, r < BT, scores, NV, BT)
+
+
+@triton.jit
+def _pair_wu(t_inv, k, beta, gc, v_ptr, w_ptr, u_ptr, start, r, I32: tl.constexpr, valid, head,
+             offs_h, mask_h, offs_v, mask_v, F32: tl.constexpr, NV: tl.constexpr,
+             H: tl.constexpr, HV: tl.constexpr):
+    """W = T (β K ⊙ exp(G)) and U = T (β V) of value head `head`, stored."""
+    w = _dot_lp(t_inv, k * (beta * tl.exp(gc))[:, None], F32)
+    _store_rows(w_ptr, start, r, I32, valid, head, offs_h, mask_h, w, NV, H)
+    v = tl.load(_tile(v_ptr, start, r, I32, head, offs_v, NV, HV),
+                mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+    u = _dot_lp(t_inv, v * beta[:, None], F32)
+    _store_rows(u_ptr, start, r, I32, valid, head, offs_v, mask_v, u, NV, HV)
+
+
+@triton.jit
+def _intra_pair_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cstart_ptr, clen_ptr,  # as `_intra_kernel`'s
+    gcum_ptr, w_ptr, u_ptr, kn_ptr, p_ptr,
+    SCALE: tl.constexpr,
+    EPS: tl.constexpr,
+    L2NORM: tl.constexpr,
+    F32: tl.constexpr,
+    I32: tl.constexpr,
+    NK: tl.constexpr,
+    NV: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    BT: tl.constexpr,
+    SUB: tl.constexpr,
+    HOIST: tl.constexpr,
+    STACKED: tl.constexpr,
+    SOLVE_LP: tl.constexpr,
+    STORE_KN: tl.constexpr,
+    FUSE: tl.constexpr,
+    OUT_LP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HV: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr = False,
+    STORE_QN: tl.constexpr = False,
+    QN_OFF: tl.constexpr = 0,
+    BATCHED: tl.constexpr = True,
+):
+    """`_intra_kernel` for value heads 2j and 2j + 1 (`Config.intra_pairs`), grid
+    `(chunks, Nv / 2)` (`(Nv / 2, chunks)` if HEAD_MAJOR): G, P and the normalised keys /
+    queries exactly as `_intra_kernel` stores them; A from one K Kᵀ; the "stacked" solve of both
+    heads as batched 3-D dots (`BATCHED`) or as two 2-D chains interleaved step by step."""
+    tl.static_assert(BT == 64 and SUB == 16 and STACKED and (NV // NK) % 2 == 0)
+    if HEAD_MAJOR:
+        ci = tl.program_id(1)
+        pair = tl.program_id(0)
+    else:
+        ci = tl.program_id(0)
+        pair = tl.program_id(1)
+    h0 = 2 * pair
+    h1 = h0 + 1
+    kh = h0 // (NV // NK)
+    start = tl.load(cstart_ptr + ci)
+    n = tl.load(clen_ptr + ci)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, BLOCK_HV)
+    mask_h = offs_h < H
+    mask_v = offs_v < HV
+    r = tl.arange(0, BT)
+    valid = r < n
+
+    k = _load_keys(k_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
+    beta0, gc0 = _pair_gates(g_ptr, beta_ptr, gcum_ptr, start, r, I32, valid, h0, NV)
+    beta1, gc1 = _pair_gates(g_ptr, beta_ptr, gcum_ptr, start, r, I32, valid, h1, NV)
+    first = valid & (h0 % (NV // NK) == 0)  # the key head's first pair stores its keys
+    if STORE_KN:
+        _store_rows(kn_ptr, start, r, I32, first, kh, offs_h, mask_h, k, NK, H)
+    if STORE_QN:
+        qs = _load_keys(q_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
+        _store_rows(kn_ptr + QN_OFF, start, r, I32, first, kh, offs_h, mask_h, qs * SCALE, NK, H)
+
+    # A_h = StrictLower(β_h (K Kᵀ) ⊙ L_h), one K Kᵀ for both heads.
+    lower = r[:, None] > r[None, :]
+    kk = _dot_lp(k, tl.trans(k), F32)
+    a0 = tl.where(lower, beta0[:, None] * kk
+                  * tl.exp(tl.where(lower, gc0[:, None] - gc0[None, :], float("-inf"))), 0.0)
+    a1 = tl.where(lower, beta1[:, None] * kk
+                  * tl.exp(tl.where(lower, gc1[:, None] - gc1[None, :], float("-inf"))), 0.0)
+    if FUSE:
+        q = _load_keys(q_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
+        qk = _sdot(q * SCALE, tl.trans(k), F32, OUT_LP)
+        _pair_scores(qk, gc0, p_ptr, start, r, I32, valid, h0, NV, BT)
+        _pair_scores(qk, gc1, p_ptr, start, r, I32, valid, h1, NV, BT)
+    if BATCHED:
+        a = _pair_stack(a0, a1)
+        d = _pair_subst_batched(a, r, SUB, BT, F32, SOLVE_LP)
+        t0, t1 = _pair_unstack(_pair_merge_batched(a, d, r, BT, 16, F32, SOLVE_LP))
+    else:
+        d0, d1 = _pair_subst_interleaved(a0, a1, r, SUB, BT, F32, SOLVE_LP)
+        t0, t1 = _pair_merge_interleaved(a0, a1, d0, d1, r, 16, F32, SOLVE_LP)
+
+    k = _load_keys(k_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
+    _pair_wu(t0, k, beta0, gc0, v_ptr, w_ptr, u_ptr, start, r, I32, valid, h0, offs_h, mask_h,
+             offs_v, mask_v, F32, NV, H, HV)
+    _pair_wu(t1, k, beta1, gc1, v_ptr, w_ptr, u_ptr, start, r, I32, valid, h1, offs_h, mask_h,
+             offs_v, mask_v, F32, NV, H, HV)
 
 
 @triton.jit
@@ -852,7 +1072,21 @@ def intra_options(config: Config) -> dict:
     return dict(SUB=4 if config.solve == "nested" else _SUB, HOIST=config.solve == "subst_hoist",
                 STACKED=config.solve == "stacked", SOLVE_LP=config.solve_bf16,
                 STORE_KN=config.store_kn, FUSE=config.fuse_output and not config.qk_in_state,
-                OUT_LP=config.out_bf16, HEAD_MAJOR=config.intra_head_major)
+                OUT_LP=config.out_bf16, HEAD_MAJOR=config.intra_head_major,
+                **({} if config.intra_pairs == "off"
+                   else dict(BATCHED=config.intra_pairs == "batched")))
+
+
+def intra_kernel(config: Config):
+    """The intra-chunk kernel `config` launches (`intra_options` are its constexprs)."""
+    return _intra_kernel if config.intra_pairs == "off" else _intra_pair_kernel
+
+
+def intra_grid(config: Config, nv: int, n_chunks: int) -> tuple[int, int]:
+    """The intra kernel's grid: a program per (chunk, value head), or per (chunk, pair of value
+    heads) with `intra_pairs`; heads first with `intra_head_major`."""
+    heads = nv if config.intra_pairs == "off" else nv // 2
+    return (heads, n_chunks) if config.intra_head_major else (n_chunks, heads)
 
 
 def state_options(config: Config, t_row: int = 0) -> dict:
@@ -918,17 +1152,20 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
         raise ValueError(f"intra_head_major: {n_chunks} chunks > 65535 (the grid's y limit)")
     if config.state_slice_major and n_seq > 65535:
         raise ValueError(f"state_slice_major: {n_seq} sequences > 65535 (the grid's z limit)")
+    if config.intra_pairs != "off" and (nv % nk or (nv // nk) % 2):
+        raise ValueError(f"intra_pairs={config.intra_pairs!r} needs an even number of value heads "
+                         f"per key head: Nv={nv}, Nk={nk} (Nv // Nk = {nv // nk})")
 
     def intra(q2, k2, v2, g2, beta2, cstart, clen):
         out = triton_call(
             q2, k2, v2, g2, beta2, cstart, clen,
-            kernel=_intra_kernel,
+            kernel=intra_kernel(config),
             out_shape=(jax.ShapeDtypeStruct((n_tok, nv), jnp.float32),
                        jax.ShapeDtypeStruct((n_tok, nv, h), inter),
                        jax.ShapeDtypeStruct((n_tok, nv, hv), inter),
                        shape(((1 + store_qn) * n_tok, nk, h), store_kn),
                        shape((n_tok, nv, CHUNK), fuse and not config.qk_in_state)),
-            grid=(nv, n_chunks) if config.intra_head_major else (n_chunks, nv),
+            grid=intra_grid(config, nv, n_chunks),
             num_warps=config.intra_warps,
             num_stages=1,
             BT=CHUNK, BLOCK_HV=block_hv, SCALE=float(scale),
