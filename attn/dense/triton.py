@@ -62,10 +62,6 @@ class Config:
     # only (Triton 3.6 does not compile it with 4). `warp_specialize_masked`: the masked loops too.
     warp_specialize: bool = True
     warp_specialize_masked: bool = False
-    # The unmasked key loop software-pipelined by hand (`_fwd_rotated`): each step issues the
-    # next tile's Q Kᵀ before this tile's softmax and P V, so that product has no dependence on
-    # the softmax the warps run meanwhile (FlashAttention-3's in-warp-group overlap).
-    rotate: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(
@@ -208,52 +204,6 @@ def _fwd_visit(
 
 
 @triton.jit
-def _fwd_rotated(
-    acc, l, m, q, k_base, v_base,
-    lo,  # first key of the range (multiple of BLOCK_N); every key in [lo, hi) visible to all rows
-    hi,
-    SCALE_LOG2: tl.constexpr,
-    K: tl.constexpr,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HV: tl.constexpr,
-    PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-):
-    """`_fwd_visit` over an unmasked range, rotated: step j computes `Q K[j+1]ᵀ`, then tile j's
-    softmax and `P V[j]` from the scores the previous step left, so the next scores' product is
-    independent of the softmax it can run beside. Prologue: the first tile's scores; epilogue:
-    the last tile's softmax and `P V`. Same arithmetic in the same order as `_fwd_visit`."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_hv = tl.arange(0, BLOCK_HV)
-    mask_h = offs_h < H
-    mask_hv = offs_hv < HV
-    k_ptrs = k_base + offs_n[:, None] * (K * H) + offs_h[None, :]  # [BLOCK_N, BLOCK_H] at key 0
-    v_ptrs = v_base + offs_n[:, None] * (K * HV) + offs_hv[None, :]
-    if lo < hi:
-        k = _load(k_ptrs + lo * (K * H), offs_n, mask_h, False, BLOCK_H != H)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        for start in tl.range(lo + BLOCK_N, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-            start = tl.multiple_of(start, BLOCK_N)
-            k = _load(k_ptrs + start * (K * H), offs_n, mask_h, False, BLOCK_H != H)
-            qk_next = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            p, alpha, m = _whole_softmax_step(qk, m, SCALE_LOG2)
-            v = _load(v_ptrs + (start - BLOCK_N) * (K * HV), offs_n, mask_hv, False,
-                      BLOCK_HV != HV)
-            l = l * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-            qk = qk_next
-        p, alpha, m = _whole_softmax_step(qk, m, SCALE_LOG2)
-        v = _load(v_ptrs + (hi - BLOCK_N) * (K * HV), offs_n, mask_hv, False, BLOCK_HV != HV)
-        l = l * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-    return acc, l, m
-
-
-@triton.jit
 def _flash_fwd_kernel(
     q_ptr,  # [B, T, N, H]
     k_ptr,  # [B, S, K, H]
@@ -281,7 +231,6 @@ def _flash_fwd_kernel(
     PRECISION: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
     WS_MASKED: tl.constexpr = False,
-    ROTATE: tl.constexpr = False,
 ):
     # Heads vary fastest (programs in flight share K/V in L2); the last query tiles, which see
     # the most keys under a causal mask, start first so the short ones fill the tail.
@@ -325,13 +274,9 @@ def _flash_fwd_kernel(
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, main_lo, full_lo, kv_len, win,
                            sinks, SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
                            PRECISION, WS_MASKED)
-    if ROTATE:
-        acc, l, m = _fwd_rotated(acc, l, m, q, k_base, v_base, full_lo, full_hi, SCALE_LOG2, K, H,
-                                 HV, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION, WARP_SPECIALIZE)
-    else:
-        acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_lo, full_hi, kv_len, win,
-                               sinks, SCALE_LOG2, K, H, HV, CAUSAL, False, BLOCK_N, BLOCK_H,
-                               BLOCK_HV, PRECISION, WARP_SPECIALIZE)
+    acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_lo, full_hi, kv_len, win,
+                           sinks, SCALE_LOG2, K, H, HV, CAUSAL, False, BLOCK_N, BLOCK_H, BLOCK_HV,
+                           PRECISION, WARP_SPECIALIZE)
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_hi, end, kv_len, win, sinks,
                            SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
                            PRECISION, WS_MASKED)
@@ -654,8 +599,7 @@ def _forward(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, con
         num_stages=config.num_stages,
         SCALE_LOG2=scale * LOG2E, CAUSAL=causal, NUM_M=num_m, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8,
-        WS_MASKED=config.warp_specialize_masked and config.num_warps >= 8, ROTATE=config.rotate,
-        **dims,
+        WS_MASKED=config.warp_specialize_masked and config.num_warps >= 8, **dims,
     )
 
 

@@ -7,7 +7,6 @@ The interpreter runs one numpy op per kernel op, so CPU cases are tiny and use 6
 are NaN-poisoned wherever lengths are given.
 """
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -72,20 +71,6 @@ def test_options_match_reference(name):
     _, _, sees = _check(q, k, v, config=SMALL, **OPTIONS[name])
     if name == "lengths-masked-rows":  # row 1 sees nothing; row 0 head 1 loses late queries
         assert not sees[1].any() and not sees[0, -1, G:].any() and sees[0, 0].all()
-
-
-@pytest.mark.parametrize("q_offset", [0, 31, 93, 128])
-def test_rotated_key_loop_is_the_plain_loop(q_offset):
-    """`Config.rotate` reorders the unmasked loop's statements only: bitwise the plain loop's
-    outputs (interpreter), with 0, 1 and several unmasked 16-key tiles per query tile."""
-    q, k, v = _qkv(rng(), t=40, g=2, s=168)
-    plain = kernel.Config(block_m=16, block_n=16)
-    options = dict(q_offset=q_offset, window=np.array([0, 50], np.int32),
-                   sinks=np.array([0, 9], np.int32))
-    out, lse, _ = _check(q, k, v, config=dataclasses.replace(plain, rotate=True), **options)
-    exp_out, exp_lse = kernel.attention(q, k, v, config=plain, **options)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(exp_out))
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(exp_lse))
 
 
 EDGES = [  # (shape, options, config)
@@ -278,11 +263,10 @@ def test_gpu_matches_reference(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", ["128-64-8-3", "128-64-8-2", "128-64-8-4", "128-128-8-2",
                                  "128-128-8-3", "128-32-8-4", "64-64-4-3", "256-64-16-2",
-                                 "128-64-4-3", "128-128-8-3-rot", "128-128-8-3-rot-nows"])
+                                 "128-64-4-3"])
 def test_gpu_sweep_configs_are_correct(cfg):
-    bm, bn, warps, stages = (int(x) for x in cfg.split("-")[:4])
-    config = kernel.Config(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-                           rotate="rot" in cfg, warp_specialize="nows" not in cfg)
+    bm, bn, warps, stages = (int(x) for x in cfg.split("-"))
+    config = kernel.Config(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
     _gpu_check(dict(b=1, t=1536, s=2048, kh=8, g=4),
                dict(q_offset=512, window=700, sinks=100), config)
 
