@@ -336,17 +336,11 @@ ROWS = {"flash_prefill": flash_rows, "window_prefill": window_rows,
 
 def _config(text: str) -> dense_triton.Config:
     """`bm-bn-warps-stages`, then `-ws` for a warp-specialised unmasked key loop, `-wsall` for
-    every key loop warp-specialised, nothing for none; `-merge` (last) for the masked tiles in
-    one loop (`Config.merge_masked`)."""
-    bm, bn, warps, stages, *flags = text.split("-")
-    unknown = set(flags) - {"ws", "wsall", "merge"}
-    if unknown:
-        raise ValueError(f"config {text!r}: unknown flags {sorted(unknown)}")
+    every key loop warp-specialised, nothing for none."""
+    bm, bn, warps, stages, *ws = text.split("-")
     return dense_triton.Config(block_m=int(bm), block_n=int(bn), num_warps=int(warps),
-                               num_stages=int(stages),
-                               warp_specialize="ws" in flags or "wsall" in flags,
-                               warp_specialize_masked="wsall" in flags,
-                               merge_masked="merge" in flags)
+                               num_stages=int(stages), warp_specialize=bool(ws),
+                               warp_specialize_masked=ws == ["wsall"])
 
 
 def sweep_backward(args, ctx) -> None:
@@ -386,7 +380,6 @@ def sweep(args, ctx) -> None:
     for cfg in args.configs:
         name = f"{cfg.block_m}-{cfg.block_n}-{cfg.num_warps}-{cfg.num_stages}"
         name += "-wsall" if cfg.warp_specialize_masked else "-ws" if cfg.warp_specialize else ""
-        name += "-merge" if cfg.merge_masked else ""
         try:
             fn = _ours(cfg)
             out = fn(q, k, v)

@@ -62,9 +62,6 @@ class Config:
     # only (Triton 3.6 does not compile it with 4). `warp_specialize_masked`: the masked loops too.
     warp_specialize: bool = True
     warp_specialize_masked: bool = False
-    # The masked key tiles (sinks, window edge, causal diagonal) as one loop before the unmasked
-    # one, not three loops around it: one software pipeline to fill and drain instead of three.
-    merge_masked: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(
@@ -155,7 +152,7 @@ def _key_tiles(q_lo, q_hi, kv_len, window, sinks, CAUSAL: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _fwd_step(
+def _fwd_visit(
     acc,  # [BLOCK_M, BLOCK_HV] f32
     l,  # [BLOCK_M] f32 running sum of 2^(s - m)
     m,  # [BLOCK_M] f32 running max (base-2 scaled scores)
@@ -163,7 +160,8 @@ def _fwd_step(
     k_base,  # -> k[b, 0, kh, 0]
     v_base,  # -> v[b, 0, kh, 0]
     pos,  # [BLOCK_M] int32 absolute query positions
-    start,  # first key of the tile (multiple of BLOCK_N)
+    lo,  # first key of the range (multiple of BLOCK_N)
+    hi,  # end of the range (multiple of BLOCK_N)
     kv_len,  # keys >= kv_len are invisible (and never read)
     win,
     sinks,
@@ -177,61 +175,31 @@ def _fwd_step(
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
-    """One key tile of the online softmax; MASKED applies `_visible` (else every row sees the
-    whole tile)."""
+    offs_n = tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
     offs_hv = tl.arange(0, BLOCK_HV)
-    cols = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-    in_kv = cols < kv_len
-    k = _load(k_base + cols[:, None] * (K * H) + offs_h[None, :], in_kv, offs_h < H, MASKED,
-              BLOCK_H != H)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
-    if MASKED:
-        visible = _visible(cols[None, :], pos[:, None], kv_len, win, sinks, CAUSAL)
-        p, alpha, m_new = _masked_softmax_step(qk, m, visible, SCALE_LOG2)
-    else:
-        p, alpha, m_new = _whole_softmax_step(qk, m, SCALE_LOG2)
-    v = _load(v_base + cols[:, None] * (K * HV) + offs_hv[None, :], in_kv, offs_hv < HV, MASKED,
-              BLOCK_HV != HV)
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-    return acc, l, m_new
-
-
-@triton.jit
-def _fwd_visit(acc, l, m, q, k_base, v_base, pos, lo, hi, kv_len, win, sinks,
-               SCALE_LOG2: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
-               CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr,
-               WARP_SPECIALIZE: tl.constexpr = False):
-    """`_fwd_step` over the key tiles of `[lo, hi)` (multiples of BLOCK_N)."""
+    mask_h = offs_h < H
+    mask_hv = offs_hv < HV
     for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        acc, l, m = _fwd_step(acc, l, m, q, k_base, v_base, pos, tl.multiple_of(start, BLOCK_N),
-                              kv_len, win, sinks, SCALE_LOG2, K, H, HV, CAUSAL, MASKED, BLOCK_N,
-                              BLOCK_H, BLOCK_HV, PRECISION)
-    return acc, l, m
-
-
-@triton.jit
-def _fwd_masked_visits(acc, l, m, q, k_base, v_base, pos, sink_end, main_lo, full_lo, full_hi,
-                       end, kv_len, win, sinks, SCALE_LOG2: tl.constexpr, K: tl.constexpr,
-                       H: tl.constexpr, HV: tl.constexpr, CAUSAL: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr,
-                       PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False):
-    """The masked tiles of `_key_tiles`' three masked ranges (sinks, window edge, diagonal) as
-    one loop: one software pipeline to fill and drain, not three."""
-    n_sink = sink_end // BLOCK_N
-    n_edge = n_sink + (full_lo - main_lo) // BLOCK_N
-    n_all = n_edge + (end - full_hi) // BLOCK_N
-    for i in tl.range(0, n_all, warp_specialize=WARP_SPECIALIZE):
-        start = tl.where(i < n_sink, i * BLOCK_N,
-                         tl.where(i < n_edge, main_lo + (i - n_sink) * BLOCK_N,
-                                  full_hi + (i - n_edge) * BLOCK_N))
-        acc, l, m = _fwd_step(acc, l, m, q, k_base, v_base, pos, tl.multiple_of(start, BLOCK_N),
-                              kv_len, win, sinks, SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N,
-                              BLOCK_H, BLOCK_HV, PRECISION)
+        start = tl.multiple_of(start, BLOCK_N)
+        cols = start + offs_n  # [BLOCK_N] key positions
+        k_ptrs = k_base + cols[:, None] * (K * H) + offs_h[None, :]  # [BLOCK_N, BLOCK_H]
+        v_ptrs = v_base + cols[:, None] * (K * HV) + offs_hv[None, :]  # [BLOCK_N, BLOCK_HV]
+        in_kv = cols < kv_len
+        k = _load(k_ptrs, in_kv, mask_h, MASKED, BLOCK_H != H)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
+        if MASKED:
+            visible = _visible(cols[None, :], pos[:, None], kv_len, win, sinks, CAUSAL)
+            p, alpha, m_new = _masked_softmax_step(qk, m, visible, SCALE_LOG2)
+        else:
+            p, alpha, m_new = _whole_softmax_step(qk, m, SCALE_LOG2)
+        v = _load(v_ptrs, in_kv, mask_hv, MASKED, BLOCK_HV != HV)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m = m_new
     return acc, l, m
 
 
@@ -263,7 +231,6 @@ def _flash_fwd_kernel(
     PRECISION: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
     WS_MASKED: tl.constexpr = False,
-    MERGE_MASKED: tl.constexpr = False,
 ):
     # Heads vary fastest (programs in flight share K/V in L2); the last query tiles, which see
     # the most keys under a causal mask, start first so the short ones fill the tail.
@@ -300,25 +267,19 @@ def _flash_fwd_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
-    if MERGE_MASKED:  # the masked tiles first, in one loop; then the tiles seen whole
-        acc, l, m = _fwd_masked_visits(acc, l, m, q, k_base, v_base, pos, sink_end, main_lo,
-                                       full_lo, full_hi, end, kv_len, win, sinks, SCALE_LOG2, K,
-                                       H, HV, CAUSAL, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION,
-                                       WS_MASKED)
-    else:  # sink tiles, the window's lower edge (then the tiles seen whole, the diagonal)
-        acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, 0, sink_end, kv_len, win,
-                               sinks, SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H,
-                               BLOCK_HV, PRECISION, WS_MASKED)
-        acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, main_lo, full_lo, kv_len, win,
-                               sinks, SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H,
-                               BLOCK_HV, PRECISION, WS_MASKED)
+    # Sink tiles, the window's lower edge, the tiles every row sees whole, the causal diagonal.
+    acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, 0, sink_end, kv_len, win, sinks,
+                           SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
+                           PRECISION, WS_MASKED)
+    acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, main_lo, full_lo, kv_len, win,
+                           sinks, SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
+                           PRECISION, WS_MASKED)
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_lo, full_hi, kv_len, win,
                            sinks, SCALE_LOG2, K, H, HV, CAUSAL, False, BLOCK_N, BLOCK_H, BLOCK_HV,
                            PRECISION, WARP_SPECIALIZE)
-    if not MERGE_MASKED:
-        acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_hi, end, kv_len, win,
-                               sinks, SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H,
-                               BLOCK_HV, PRECISION, WS_MASKED)
+    acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_hi, end, kv_len, win, sinks,
+                           SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
+                           PRECISION, WS_MASKED)
 
     empty = l == 0.0
     safe_l = tl.where(empty, 1.0, l)
@@ -638,8 +599,7 @@ def _forward(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, con
         num_stages=config.num_stages,
         SCALE_LOG2=scale * LOG2E, CAUSAL=causal, NUM_M=num_m, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8,
-        WS_MASKED=config.warp_specialize_masked and config.num_warps >= 8,
-        MERGE_MASKED=config.merge_masked, **dims,
+        WS_MASKED=config.warp_specialize_masked and config.num_warps >= 8, **dims,
     )
 
 

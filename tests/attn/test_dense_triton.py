@@ -7,7 +7,6 @@ The interpreter runs one numpy op per kernel op, so CPU cases are tiny and use 6
 are NaN-poisoned wherever lengths are given.
 """
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -72,16 +71,6 @@ def test_options_match_reference(name):
     _, _, sees = _check(q, k, v, config=SMALL, **OPTIONS[name])
     if name == "lengths-masked-rows":  # row 1 sees nothing; row 0 head 1 loses late queries
         assert not sees[1].any() and not sees[0, -1, G:].any() and sees[0, 0].all()
-
-
-@pytest.mark.parametrize("name", ["causal-chunk-offset93", "window-sinks-per-head",
-                                  "window-long-sink", "lengths-masked-rows"])
-def test_merged_masked_loop_matches_reference(name):
-    """`Config.merge_masked`: sink, window-edge and diagonal tiles in one loop (visited before
-    the unmasked tiles) give the reference's outputs; 16-key tiles so each range has several."""
-    q, k, v = _qkv(rng())
-    config = dataclasses.replace(kernel.Config(block_m=16, block_n=16), merge_masked=True)
-    _check(q, k, v, config=config, **OPTIONS[name])
 
 
 EDGES = [  # (shape, options, config)
@@ -274,11 +263,10 @@ def test_gpu_matches_reference(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", ["128-64-8-3", "128-64-8-2", "128-64-8-4", "128-128-8-2",
                                  "128-128-8-3", "128-32-8-4", "64-64-4-3", "256-64-16-2",
-                                 "128-64-4-3", "128-128-8-3-merge", "128-128-8-3-wsall-merge"])
+                                 "128-64-4-3"])
 def test_gpu_sweep_configs_are_correct(cfg):
-    bm, bn, warps, stages = (int(x) for x in cfg.split("-")[:4])
-    config = kernel.Config(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-                           warp_specialize_masked="wsall" in cfg, merge_masked="merge" in cfg)
+    bm, bn, warps, stages = (int(x) for x in cfg.split("-"))
+    config = kernel.Config(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
     _gpu_check(dict(b=1, t=1536, s=2048, kh=8, g=4),
                dict(q_offset=512, window=700, sinks=100), config)
 
