@@ -80,10 +80,14 @@ VARIANTS = {
     "w8": dict(state_warps=8),
     "intra-w8": dict(intra_warps=8),
     # Session 7: one intra program per pair of value heads (`Config.intra_pairs`): K Kᵀ once,
-    # the two heads' dependent solve chains side by side (batched 3-D dots, or two 2-D chains
-    # interleaved step by step); 4 and 8 warps (the pair's tiles double the live registers).
+    # the two heads' dependent solve chains side by side: "batched" 3-D stacked steps
+    # ([2, 64, 64] x [2, 64, 16], mma.sync; Triton puts all warps on the batch axis, so 4 warps
+    # compute each step twice), "blocks" (the 16 x 16 diagonal blocks of both heads as one
+    # [8, 16, 16] batch: 4 mma.sync per warp per step), "interleaved" (two 2-D wgmma chains; each
+    # dot still waits for itself); the merges 2-D. 4 warps: two programs (four heads) per SM.
     "pairs": dict(intra_pairs="batched"),
-    "pairs-w8": dict(intra_pairs="batched", intra_warps=8),
+    "pairs-blocks": dict(intra_pairs="blocks"),
+    "pairs-blocks-w8": dict(intra_pairs="blocks", intra_warps=8),
     "pairs-interleaved": dict(intra_pairs="interleaved"),
     "pairs-interleaved-w8": dict(intra_pairs="interleaved", intra_warps=8),
 }

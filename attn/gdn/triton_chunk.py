@@ -38,6 +38,7 @@ issued together (`state_prefetch`, untimed), the grids' launch orders (`state_sl
 `intra_head_major`), P made by the state kernel (`qk_in_state`), the normalised queries stored
 once (`store_qn`); `default_config` turns on the combinations that measured fastest. Bytes and
 latencies per kernel in the comment above `default_config`.
+Session 7: `intra_pairs`, one intra program per pair of value heads (`_intra_pair_kernel`).
 `experiments/profile_gdn_chunk.py` times the kernels one by one for any of them (`--variants`).
 
 Supports: any B, T, Nk | Nv, H and Hv (padded to powers of two >= 16 and masked), initial and
@@ -60,7 +61,8 @@ from attn.gdn.reference import L2NORM_EPS
 CHUNK = 64
 _SUB = 16  # rows of the blocks the (I + A)⁻¹ solve works on; CHUNK == 4 * _SUB
 SOLVES = ("subst", "subst_hoist", "nested", "stacked")
-INTRA_PAIRS = ("off", "batched", "interleaved")
+INTRA_PAIRS = ("off", "batched", "blocks", "interleaved")
+_PAIR_MODES = {"interleaved": 0, "batched": 1, "blocks": 2}  # `_intra_pair_kernel`'s PAIR_MODE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,11 +141,17 @@ class Config:
     # square, row sum, rsqrt, scale) on every chunk step of every value slice.
     store_qn: bool = False
     # Session 7 (untimed as of writing): one intra program per pair of value heads of a key head
-    # (`_intra_pair_kernel`; Nv // Nk even, the "stacked" solve): K loaded, normalised and
-    # multiplied by itself once, the two heads' 15-step solve chains side by side, "batched" as
-    # 3-D `[2, C, C] x [2, C, 16]` dots (mma.sync on Hopper) or "interleaved" (two 2-D dots per
-    # step); half the programs. Same algebra as "off" but for β applied to K Kᵀ's rows after the
-    # dot instead of to K before it (G, P and the normalised keys / queries bitwise the same).
+    # (`_intra_pair_kernel`; Nv // Nk even, the "stacked" solve), half the programs: K loaded,
+    # normalised and multiplied by itself once, the two heads' 15-step solve chains side by
+    # side, so each hides the other's dot latency: "batched" as 3-D `[2, C, C] x [2, C, 16]`
+    # dots (mma.sync on Hopper; Triton 3.6 puts every warp on the batch axis, so with 4 warps
+    # each step runs twice), "blocks" as 3-D dots on both heads' 16 x 16 diagonal blocks
+    # (`[8, 16, 16] x [8, 16, 16]`: the blocks' own work, a quarter of a stacked step's; 4
+    # mma.sync per warp and step at 4 warps), "interleaved" as two 2-D dots per step (wgmma:
+    # Triton waits for each before the next, so only their non-dot work overlaps). The merges,
+    # W and U stay 2-D per head. Same algebra as "off" but for β applied to K Kᵀ's rows after the
+    # dot instead of to K before it (W / U round differently in bf16; G, P and the normalised
+    # keys / queries bitwise the same). sm_90a, 4 warps: 255 registers, <= 8 bytes spilled.
     intra_pairs: str = "off"
 
     def __post_init__(self):
@@ -427,14 +435,44 @@ def _pair_subst_batched(a, r, SB: tl.constexpr, BT: tl.constexpr, F32: tl.conste
 
 
 @triton.jit
-def _pair_merge_batched(a, d, r, BT: tl.constexpr, INNER: tl.constexpr, F32: tl.constexpr,
-                        LP: tl.constexpr):
-    """`_block_merge` on `[2, BT, BT]` pairs (batched dots)."""
-    outer = (r[:, None] // (4 * INNER)) == (r[None, :] // (4 * INNER))
-    off = (outer & ((r[:, None] // INNER) != (r[None, :] // INNER)))[None, :, :]
-    eye = tl.broadcast_to(tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :], (2, BT, BT))
-    nil = _sdot(d, tl.where(off, a, 0.0), F32, LP)
-    return _sdot(_sdot(eye - nil, eye + _sdot(nil, nil, F32, LP), F32, LP), d, F32, LP)
+def _diag_blocks(a, SB: tl.constexpr, BT: tl.constexpr):
+    """The `BT // SB` diagonal SB × SB blocks of `a` `[BT, BT]`, `[BT // SB, SB, SB]`."""
+    NB: tl.constexpr = BT // SB
+    a4 = tl.reshape(a, (NB, SB, NB, SB))
+    rows = tl.arange(0, NB)[:, None, None, None]
+    cols = tl.arange(0, NB)[None, None, :, None]
+    return tl.sum(tl.where(rows == cols, a4, 0.0), axis=2)
+
+
+@triton.jit
+def _block_diag(d, SB: tl.constexpr, BT: tl.constexpr):
+    """`[BT, BT]` block-diagonal from its `BT // SB` diagonal blocks `d` `[BT // SB, SB, SB]`."""
+    NB: tl.constexpr = BT // SB
+    d4 = tl.broadcast_to(tl.reshape(d, (NB, SB, 1, SB)), (NB, SB, NB, SB))
+    rows = tl.arange(0, NB)[:, None, None, None]
+    cols = tl.arange(0, NB)[None, None, :, None]
+    return tl.reshape(tl.where(rows == cols, d4, 0.0), (BT, BT))
+
+
+@triton.jit
+def _pair_subst_blocks(a0, a1, SB: tl.constexpr, BT: tl.constexpr, F32: tl.constexpr,
+                       LP: tl.constexpr):
+    """`_block_subst` on the diagonal SB × SB blocks of both heads' A as one batch
+    `[2 BT / SB, SB, SB]`: each step one batched `[8, 16, 16] × [8, 16, 16]` dot (only the
+    blocks' own work, a quarter of the stacked step's; a batch of 8 spreads over the warps,
+    mma.sync); returns both block-diagonal inverses `[BT, BT]`."""
+    NB: tl.constexpr = BT // SB
+    ab = tl.permute(tl.join(_diag_blocks(a0, SB, BT), _diag_blocks(a1, SB, BT)), (3, 0, 1, 2))
+    ab = tl.reshape(ab, (2 * NB, SB, SB))  # [head · NB + block, i, j]
+    i_r = tl.arange(0, SB)
+    d = tl.broadcast_to(tl.where(i_r[:, None] == i_r[None, :], 1.0, 0.0)[None, :, :],
+                        (2 * NB, SB, SB))
+    for i in range(1, SB):
+        sel = (i_r == i)[None, :, None]
+        d = tl.where(sel, d - _sdot(ab, d, F32, LP), d)
+    d0, d1 = _pair_unstack(tl.reshape(d, (2, NB * SB, SB)))
+    return (_block_diag(tl.reshape(d0, (NB, SB, SB)), SB, BT),
+            _block_diag(tl.reshape(d1, (NB, SB, SB)), SB, BT))
 
 
 @triton.jit
@@ -534,12 +572,14 @@ def _intra_pair_kernel(
     HEAD_MAJOR: tl.constexpr = False,
     STORE_QN: tl.constexpr = False,
     QN_OFF: tl.constexpr = 0,
-    BATCHED: tl.constexpr = True,
+    PAIR_MODE: tl.constexpr = 1,
 ):
     """`_intra_kernel` for value heads 2j and 2j + 1 (`Config.intra_pairs`), grid
     `(chunks, Nv / 2)` (`(Nv / 2, chunks)` if HEAD_MAJOR): G, P and the normalised keys /
     queries exactly as `_intra_kernel` stores them; A from one K Kᵀ; the "stacked" solve of both
-    heads as batched 3-D dots (`BATCHED`) or as two 2-D chains interleaved step by step."""
+    heads' 15 steps as batched 3-D dots (PAIR_MODE 1: `[2, BT, BT] × [2, BT, 16]`; 2: the
+    diagonal blocks, `[8, 16, 16] × [8, 16, 16]`) or as two 2-D chains interleaved (0); the
+    4-dot merges as 2-D dots, interleaved."""
     tl.static_assert(BT == 64 and SUB == 16 and STACKED and (NV // NK) % 2 == 0)
     if HEAD_MAJOR:
         ci = tl.program_id(1)
@@ -581,13 +621,16 @@ def _intra_pair_kernel(
         qk = _sdot(q * SCALE, tl.trans(k), F32, OUT_LP)
         _pair_scores(qk, gc0, p_ptr, start, r, I32, valid, h0, NV, BT)
         _pair_scores(qk, gc1, p_ptr, start, r, I32, valid, h1, NV, BT)
-    if BATCHED:
-        a = _pair_stack(a0, a1)
-        d = _pair_subst_batched(a, r, SUB, BT, F32, SOLVE_LP)
-        t0, t1 = _pair_unstack(_pair_merge_batched(a, d, r, BT, 16, F32, SOLVE_LP))
+    # (A 3-D dot puts all warps on the batch axis (Triton 3.6, mma.sync): a batch of 2 on 4
+    # warps computes everything twice, so the [C, C] merges stay 2-D, per head.)
+    if PAIR_MODE == 1:
+        d0, d1 = _pair_unstack(_pair_subst_batched(_pair_stack(a0, a1), r, SUB, BT, F32,
+                                                   SOLVE_LP))
+    elif PAIR_MODE == 2:
+        d0, d1 = _pair_subst_blocks(a0, a1, SUB, BT, F32, SOLVE_LP)
     else:
         d0, d1 = _pair_subst_interleaved(a0, a1, r, SUB, BT, F32, SOLVE_LP)
-        t0, t1 = _pair_merge_interleaved(a0, a1, d0, d1, r, 16, F32, SOLVE_LP)
+    t0, t1 = _pair_merge_interleaved(a0, a1, d0, d1, r, 16, F32, SOLVE_LP)
 
     k = _load_keys(k_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
     _pair_wu(t0, k, beta0, gc0, v_ptr, w_ptr, u_ptr, start, r, I32, valid, h0, offs_h, mask_h,
@@ -1074,7 +1117,7 @@ def intra_options(config: Config) -> dict:
                 STORE_KN=config.store_kn, FUSE=config.fuse_output and not config.qk_in_state,
                 OUT_LP=config.out_bf16, HEAD_MAJOR=config.intra_head_major,
                 **({} if config.intra_pairs == "off"
-                   else dict(BATCHED=config.intra_pairs == "batched")))
+                   else dict(PAIR_MODE=_PAIR_MODES[config.intra_pairs])))
 
 
 def intra_kernel(config: Config):

@@ -1,6 +1,6 @@
 """`triton_chunk.Config.intra_pairs` (interpreted on CPU): one intra-chunk program per pair of
-value heads of a key head, both heads' solves side by side ("batched" 3-D dots or two
-"interleaved" 2-D chains).
+value heads of a key head, both heads' solves side by side ("batched" 3-D stacked dots,
+"blocks": 3-D dots on both heads' 16 x 16 diagonal blocks, or two "interleaved" 2-D chains).
 
 The pair path computes K Kᵀ once and applies β to its rows after the dot (the per-head path
 multiplies K by β before it), so W and U round differently in bf16 (~1e-3 relative norm), the
@@ -29,7 +29,7 @@ from tests.attn.test_gdn_triton import (
 )
 from tests.utils import assert_close, rng
 
-MODES = ["batched", "interleaved"]
+MODES = ["batched", "blocks", "interleaved"]
 LENS = [1, 70, 0, 100]  # one token, a chunk and a tail, an empty sequence, a chunk and a tail
 # (Nk, Nv, config changes on top of `default_config`): GVA 2 on the defaults (fused, stored
 # normalised keys and queries, head-major grid); GVA 4 (two pairs per key head: only the first
@@ -186,17 +186,17 @@ def test_profile_pairs_variants_quick():
     whole, the output within PAIR_TOL of the case's default_config."""
     from experiments import profile_gdn_chunk as prof
 
-    names = ["pairs", "pairs-w8", "pairs-interleaved", "pairs-interleaved-w8"]
-    assert all(prof.VARIANTS[n]["intra_pairs"] in MODES for n in names)
-    rows = prof.main(["--quick", "--cases", "1x70", "--variants", "pairs,pairs-interleaved"])
+    names = [n for n in prof.VARIANTS if n.startswith("pairs")]
+    assert {prof.VARIANTS[n]["intra_pairs"] for n in names} == set(MODES)
+    rows = prof.main(["--quick", "--cases", "1x70", "--variants", "pairs,pairs-blocks"])
     wholes = [r for r in rows if r["kernel"] == "whole"]
-    assert [r["variant"] for r in wholes] == ["default_config", "pairs", "pairs-interleaved"]
+    assert [r["variant"] for r in wholes] == ["default_config", "pairs", "pairs-blocks"]
     for r in wholes[1:]:
         assert r["rel_err_o"] <= PAIR_TOL and r["rel_err_final"] <= PAIR_TOL and r["ms"] > 0, r
 
 
 def test_pairs_compile_for_sm90():
-    """Triton's compiler (not the interpreter) on both pair kernels at the model's heads, bf16,
+    """Triton's compiler (not the interpreter) on every pair mode at the model's heads, bf16,
     4 and 8 warps: `profile_gdn_chunk --ptxas` (sm_90a, Triton's bundled ptxas, no GPU)."""
     from experiments import profile_gdn_chunk as prof
 
@@ -210,8 +210,8 @@ def test_pairs_compile_for_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["pairs", "pairs-w8", "pairs-interleaved",
-                                     "pairs-interleaved-w8"])
+@pytest.mark.parametrize("variant", ["pairs", "pairs-blocks", "pairs-blocks-w8",
+                                     "pairs-interleaved", "pairs-interleaved-w8"])
 @pytest.mark.parametrize("b", [1, 8], ids=["B1-defaults", "B8-defaults"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["B2-T4K", "varlen"])
 def test_pairs_compiled_on_gpu_at_model_dims(variant, b, varlen):
