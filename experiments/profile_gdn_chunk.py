@@ -394,7 +394,7 @@ def main(argv=None) -> list[dict]:
 def format_summary(rows) -> str:
     """One line per (case, variant): per-kernel and whole-op ms, whole against the case's
     default_config, the output's error against it."""
-    lines = [f"{'case':<10}{'variant':<15}{'intra':>8}{'state':>8}{'output':>8}{'whole':>8}"
+    lines = [f"{'case':<10}{'variant':<22}{'intra':>8}{'state':>8}{'output':>8}{'whole':>8}"
              f"{'vs default':>11}{'rel_err_o':>11}"]
     base = {}
     for r in rows:
@@ -403,7 +403,7 @@ def format_summary(rows) -> str:
         case_rows = [x for x in rows if x["case"] == r["case"] and x["variant"] == r["variant"]]
         ms = {x["kernel"]: x["ms"] for x in case_rows}
         base.setdefault(r["case"], r["ms"])
-        lines.append(f"{r['case']:<10}{r['variant']:<15}{ms['intra']:>8.3f}{ms['state']:>8.3f}"
+        lines.append(f"{r['case']:<10}{r['variant']:<22}{ms['intra']:>8.3f}{ms['state']:>8.3f}"
                      f"{ms.get('output', 0.0):>8.3f}{r['ms']:>8.3f}"
                      f"{base[r['case']] / r['ms']:>10.3f}x{r.get('rel_err_o', 0.0):>11.2g}")
     return "\n".join(lines)
