@@ -151,7 +151,10 @@ class Config:
     # Triton waits for each before the next, so only their non-dot work overlaps). The merges,
     # W and U stay 2-D per head. Same algebra as "off" but for β applied to K Kᵀ's rows after the
     # dot instead of to K before it (W / U round differently in bf16; G, P and the normalised
-    # keys / queries bitwise the same). sm_90a, 4 warps: 255 registers, <= 8 bytes spilled.
+    # keys / queries bitwise the same). The prologue's loads (k, q once, g, β) go out before its
+    # first store, both heads' v together. sm_90a at B1 defaults (`profile_gdn_chunk --ptxas`):
+    # 4 warps 247-251 registers, no spills (two programs, four heads, per SM), 48 KB shared;
+    # 8 warps 207 ("blocks").
     intra_pairs: str = "off"
 
     def __post_init__(self):
@@ -512,13 +515,11 @@ def _pair_merge_interleaved(a0, a1, d0, d1, r, INNER: tl.constexpr, F32: tl.cons
 
 
 @triton.jit
-def _pair_gates(g_ptr, beta_ptr, gcum_ptr, start, r, I32: tl.constexpr, valid, head,
-                NV: tl.constexpr):
-    """β and G `[BT]` of value head `head` (G stored), as `_intra_kernel` makes them."""
+def _pair_gates(g_ptr, beta_ptr, start, r, I32: tl.constexpr, valid, head, NV: tl.constexpr):
+    """β and G `[BT]` of value head `head`, as `_intra_kernel` makes them."""
     beta = tl.load(_col(beta_ptr, start, r, I32, head, NV), mask=valid, other=0.0).to(tl.float32)
     gc = tl.cumsum(tl.load(_col(g_ptr, start, r, I32, head, NV), mask=valid,
                            other=0.0).to(tl.float32), axis=0)
-    tl.store(_col(gcum_ptr, start, r, I32, head, NV), gc, mask=valid)
     return beta, gc
 
 
@@ -531,19 +532,6 @@ def _pair_scores(qk, gc, p_ptr, start, r, I32: tl.constexpr, valid, head, NV: tl
     pdecay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
     scores = tl.where(causal, qk * pdecay, 0.0)
     _store_rows(p_ptr, start, r, I32, valid, head, r, r < BT, scores, NV, BT)
-
-
-@triton.jit
-def _pair_wu(t_inv, k, beta, gc, v_ptr, w_ptr, u_ptr, start, r, I32: tl.constexpr, valid, head,
-             offs_h, mask_h, offs_v, mask_v, F32: tl.constexpr, NV: tl.constexpr,
-             H: tl.constexpr, HV: tl.constexpr):
-    """W = T (β K ⊙ exp(G)) and U = T (β V) of value head `head`, stored."""
-    w = _dot_lp(t_inv, k * (beta * tl.exp(gc))[:, None], F32)
-    _store_rows(w_ptr, start, r, I32, valid, head, offs_h, mask_h, w, NV, H)
-    v = tl.load(_tile(v_ptr, start, r, I32, head, offs_v, NV, HV),
-                mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-    u = _dot_lp(t_inv, v * beta[:, None], F32)
-    _store_rows(u_ptr, start, r, I32, valid, head, offs_v, mask_v, u, NV, HV)
 
 
 @triton.jit
@@ -599,15 +587,24 @@ def _intra_pair_kernel(
     r = tl.arange(0, BT)
     valid = r < n
 
+    # The prologue's loads all issued before its first store (a store the compiler cannot tell
+    # apart from a later load's address would hold that load back).
     k = _load_keys(k_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
-    beta0, gc0 = _pair_gates(g_ptr, beta_ptr, gcum_ptr, start, r, I32, valid, h0, NV)
-    beta1, gc1 = _pair_gates(g_ptr, beta_ptr, gcum_ptr, start, r, I32, valid, h1, NV)
+    if FUSE or STORE_QN:  # loaded once for both (`_intra_kernel` loads it twice)
+        q = _load_keys(q_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
+    beta0, gc0 = _pair_gates(g_ptr, beta_ptr, start, r, I32, valid, h0, NV)
+    beta1, gc1 = _pair_gates(g_ptr, beta_ptr, start, r, I32, valid, h1, NV)
+    tl.store(_col(gcum_ptr, start, r, I32, h0, NV), gc0, mask=valid)
+    tl.store(_col(gcum_ptr, start, r, I32, h1, NV), gc1, mask=valid)
     first = valid & (h0 % (NV // NK) == 0)  # the key head's first pair stores its keys
     if STORE_KN:
         _store_rows(kn_ptr, start, r, I32, first, kh, offs_h, mask_h, k, NK, H)
     if STORE_QN:
-        qs = _load_keys(q_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
-        _store_rows(kn_ptr + QN_OFF, start, r, I32, first, kh, offs_h, mask_h, qs * SCALE, NK, H)
+        _store_rows(kn_ptr + QN_OFF, start, r, I32, first, kh, offs_h, mask_h, q * SCALE, NK, H)
+    if FUSE:  # one Q Kᵀ for both heads' P
+        qk = _sdot(q * SCALE, tl.trans(k), F32, OUT_LP)
+        _pair_scores(qk, gc0, p_ptr, start, r, I32, valid, h0, NV, BT)
+        _pair_scores(qk, gc1, p_ptr, start, r, I32, valid, h1, NV, BT)
 
     # A_h = StrictLower(β_h (K Kᵀ) ⊙ L_h), one K Kᵀ for both heads.
     lower = r[:, None] > r[None, :]
@@ -616,11 +613,6 @@ def _intra_pair_kernel(
                   * tl.exp(tl.where(lower, gc0[:, None] - gc0[None, :], float("-inf"))), 0.0)
     a1 = tl.where(lower, beta1[:, None] * kk
                   * tl.exp(tl.where(lower, gc1[:, None] - gc1[None, :], float("-inf"))), 0.0)
-    if FUSE:
-        q = _load_keys(q_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
-        qk = _sdot(q * SCALE, tl.trans(k), F32, OUT_LP)
-        _pair_scores(qk, gc0, p_ptr, start, r, I32, valid, h0, NV, BT)
-        _pair_scores(qk, gc1, p_ptr, start, r, I32, valid, h1, NV, BT)
     # (A 3-D dot puts all warps on the batch axis (Triton 3.6, mma.sync): a batch of 2 on 4
     # warps computes everything twice, so the [C, C] merges stay 2-D, per head.)
     if PAIR_MODE == 1:
@@ -632,11 +624,20 @@ def _intra_pair_kernel(
         d0, d1 = _pair_subst_interleaved(a0, a1, r, SUB, BT, F32, SOLVE_LP)
     t0, t1 = _pair_merge_interleaved(a0, a1, d0, d1, r, 16, F32, SOLVE_LP)
 
+    # W = T (β K ⊙ exp(G)) of both heads (K reloaded), then U = T (β V) with both heads' v
+    # loaded together.
     k = _load_keys(k_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
-    _pair_wu(t0, k, beta0, gc0, v_ptr, w_ptr, u_ptr, start, r, I32, valid, h0, offs_h, mask_h,
-             offs_v, mask_v, F32, NV, H, HV)
-    _pair_wu(t1, k, beta1, gc1, v_ptr, w_ptr, u_ptr, start, r, I32, valid, h1, offs_h, mask_h,
-             offs_v, mask_v, F32, NV, H, HV)
+    _store_rows(w_ptr, start, r, I32, valid, h0, offs_h, mask_h,
+                _dot_lp(t0, k * (beta0 * tl.exp(gc0))[:, None], F32), NV, H)
+    _store_rows(w_ptr, start, r, I32, valid, h1, offs_h, mask_h,
+                _dot_lp(t1, k * (beta1 * tl.exp(gc1))[:, None], F32), NV, H)
+    vmask = valid[:, None] & mask_v[None, :]
+    v0 = tl.load(_tile(v_ptr, start, r, I32, h0, offs_v, NV, HV), mask=vmask, other=0.0)
+    v1 = tl.load(_tile(v_ptr, start, r, I32, h1, offs_v, NV, HV), mask=vmask, other=0.0)
+    _store_rows(u_ptr, start, r, I32, valid, h0, offs_v, mask_v,
+                _dot_lp(t0, v0.to(tl.float32) * beta0[:, None], F32), NV, HV)
+    _store_rows(u_ptr, start, r, I32, valid, h1, offs_v, mask_v,
+                _dot_lp(t1, v1.to(tl.float32) * beta1[:, None], F32), NV, HV)
 
 
 @triton.jit
