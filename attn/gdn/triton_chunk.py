@@ -423,7 +423,7 @@ def _pair_unstack(x):
 def _pair_subst_batched(a, r, SB: tl.constexpr, BT: tl.constexpr, F32: tl.constexpr,
                         LP: tl.constexpr):
     """`_block_subst_stacked` on a `[2, BT, BT]` pair of A matrices: each step one batched
-    `[2, BT, BT] × [2, BT, SB]` dot (both chains in one instruction); returns the
+    `[2, BT, BT] × [2, BT, SB]` dot (both chains in one dot); returns the
     block-diagonal inverses `[2, BT, BT]`."""
     same = ((r[:, None] // SB) == (r[None, :] // SB))[None, :, :]
     a_diag = tl.where(same, a, 0.0)
