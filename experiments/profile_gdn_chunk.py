@@ -90,6 +90,8 @@ VARIANTS = {
     "pairs-blocks-w8": dict(intra_pairs="blocks", intra_warps=8),
     "pairs-interleaved": dict(intra_pairs="interleaved"),
     "pairs-interleaved-w8": dict(intra_pairs="interleaved", intra_warps=8),
+    "gates": dict(state_gates_ahead=True),
+    "pairs-blocks-gates": dict(intra_pairs="blocks", state_gates_ahead=True),
 }
 
 

@@ -36,6 +36,8 @@ OPTIONS = [
     dict(FUSED, store_kn=True, qk_in_state=True, store_qn=True, state_slice_major=True,
          intra_head_major=True, block_hv_state=16),
     dict(state_prefetch=True, state_slice_major=True, block_hv_state=16),  # unfused
+    dict(state_gates_ahead=True),
+    dict(fuse_output=False, state_gates_ahead=True),
 ]
 IDS = [case_id(**o) for o in OPTIONS]
 LENS = [1, 70, 0, 64]  # one token, a chunk and a tail, an empty sequence, one full chunk
@@ -75,8 +77,8 @@ def test_option_is_bitwise_the_defaults(opts, varlen):
     extra = {k: v for k, v in opts.items() if k not in ("store_kn", "fuse_output")}
     if "block_hv_state" in extra:  # the baseline on the same slices
         base = dataclasses.replace(base, block_hv_state=extra.pop("block_hv_state"))
-    if not opts.get("fuse_output", True):
-        base = dataclasses.replace(base, fuse_output=False)
+    if not opts.get("fuse_output", True):  # without the options that need the fused output
+        base = dataclasses.replace(base, fuse_output=False, store_qn=False, qk_in_state=False)
     o0, f0 = _run(xs, h0, base, cu)
     o, f = _run(xs, h0, dataclasses.replace(base, **extra), cu)
     assert np.isfinite(np.asarray(o, np.float32)).all()
@@ -199,7 +201,7 @@ def test_profile_variants_quick_runs_bitwise():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["qn-majors", "qk-qn-majors", "qk-qn-v16", "qk-qn-v32",
-                                     "prefetch", "stages3"])
+                                     "prefetch", "stages3", "gates", "pairs-blocks-gates"])
 @pytest.mark.parametrize("b", [1, 8], ids=["B1-defaults", "B8-defaults"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["B2-T4K", "varlen"])
 def test_variants_compiled_on_gpu_at_model_dims(variant, b, varlen):
