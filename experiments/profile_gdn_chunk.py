@@ -52,9 +52,10 @@ HEADS = dict(nk=16, nv=32, h=128, hv=128)
 QUICK_CASES = ((1, 130), (2, 64))
 QUICK_HEADS = dict(nk=1, nv=2, h=16, hv=32)
 SOLVE_DOTS = {"subst": 15 + 4, "subst_hoist": 15 + 4, "nested": 3 + 4 + 4, "stacked": 15 / 4 + 4}
-# `--variants`: changes on top of each case's `tc.default_config(B, Nv, Hv)` (B1: fused, 32-wide
-# state slices, 4 warps; B8: fused, 64-wide, 8 warps). Byte / latency reasoning: the comment above
-# `triton_chunk.default_config`. Shared memory / registers from `--ptxas` (sm_90a).
+# `--variants`: changes on top of each case's `tc.default_config(B, Nv, Hv, nk=Nk)` (B1: fused,
+# 32-wide state slices, 4 warps, value-head-pair intra programs; B8: also the gates loaded a
+# chunk ahead). Byte / latency reasoning: the comment above `triton_chunk.default_config`.
+# Shared memory / registers from `--ptxas` (sm_90a).
 VARIANTS = {
     "prefetch": dict(state_prefetch=True),
     "slice-major": dict(state_slice_major=True),
@@ -368,7 +369,7 @@ def main(argv=None) -> list[dict]:
         if names is None:
             configs = [("", tc.Config())] + [("", parse_config(c)) for c in args.config]
         else:
-            base = tc.default_config(b, heads["nv"], heads["hv"])
+            base = tc.default_config(b, heads["nv"], heads["hv"], nk=heads["nk"])
             configs = [("default_config", base)] + [
                 (n, dataclasses.replace(base, **VARIANTS[n])) for n in names]
         baseline = None

@@ -38,7 +38,8 @@ issued together (`state_prefetch`, untimed), the grids' launch orders (`state_sl
 `intra_head_major`), P made by the state kernel (`qk_in_state`), the normalised queries stored
 once (`store_qn`); `default_config` turns on the combinations that measured fastest. Bytes and
 latencies per kernel in the comment above `default_config`.
-Session 7: `intra_pairs`, one intra program per pair of value heads (`_intra_pair_kernel`).
+Session 7: `intra_pairs`, one intra program per pair of value heads (`_intra_pair_kernel`), and
+`state_gates_ahead`; `default_config` takes both where they measured faster.
 `experiments/profile_gdn_chunk.py` times the kernels one by one for any of them (`--variants`).
 
 Supports: any B, T, Nk | Nv, H and Hv (padded to powers of two >= 16 and masked), initial and
@@ -140,21 +141,18 @@ class Config:
     # puts them into its dots as loaded, instead of re-normalising Q ([C, H] float32: cast,
     # square, row sum, rsqrt, scale) on every chunk step of every value slice.
     store_qn: bool = False
-    # Session 7 (untimed as of writing): one intra program per pair of value heads of a key head
-    # (`_intra_pair_kernel`; Nv // Nk even, the "stacked" solve), half the programs: K loaded,
-    # normalised and multiplied by itself once, the two heads' 15-step solve chains side by
-    # side, so each hides the other's dot latency: "batched" as 3-D `[2, C, C] x [2, C, 16]`
-    # dots (mma.sync on Hopper; Triton 3.6 puts every warp on the batch axis, so with 4 warps
-    # each step runs twice), "blocks" as 3-D dots on both heads' 16 x 16 diagonal blocks
-    # (`[8, 16, 16] x [8, 16, 16]`: the blocks' own work, a quarter of a stacked step's; 4
-    # mma.sync per warp and step at 4 warps), "interleaved" as two 2-D dots per step (wgmma:
-    # Triton waits for each before the next, so only their non-dot work overlaps). The merges,
-    # W and U stay 2-D per head. Same algebra as "off" but for β applied to K Kᵀ's rows after the
-    # dot instead of to K before it (W / U round differently in bf16; G, P and the normalised
-    # keys / queries bitwise the same). The prologue's loads (k, q once, g, β) go out before its
-    # first store, both heads' v together. sm_90a at B1 defaults (`profile_gdn_chunk --ptxas`):
-    # 4 warps 247-251 registers, no spills (two programs, four heads, per SM), 48 KB shared;
-    # 8 warps 207 ("blocks").
+    # Session 7: one intra program per pair of value heads of a key head (`_intra_pair_kernel`;
+    # Nv // Nk even, the "stacked" solve), half the programs: K loaded, normalised and
+    # multiplied by itself once, the two heads' solve chains side by side, so each hides the
+    # other's dot latency. "blocks": 3-D dots on both heads' 16 x 16 diagonal blocks (`[8, 16,
+    # 16] x [8, 16, 16]`, the blocks' own work, a quarter of a stacked step's); "interleaved":
+    # two 2-D dots a step; "batched": 3-D `[2, C, C] x [2, C, 16]` dots (Triton 3.6 puts every
+    # warp on the batch axis of 2, so each step runs twice). H100 B1 T32K / B8 T4K intra ms:
+    # per head 1.01-1.02 / 0.95-0.96, blocks 0.73-0.75 / 0.71-0.72, interleaved 0.78 / 0.73,
+    # batched 2.72 / 2.66, on 8 warps 1.23-1.61. The merges, W and U stay 2-D per head. Same
+    # algebra as "off" but for β applied to K Kᵀ's rows after the dot instead of to K before it
+    # (W / U round differently in bf16; G, P and the normalised keys / queries bitwise the
+    # same). sm_90a at 4 warps 247-251 registers, no spills, 48 KB shared.
     intra_pairs: str = "off"
     # The state kernel's per-chunk gates (G [C], strided by Nv, and G_C) loaded one chunk ahead
     # into registers and carried, in the loop of `state_prefetch` / `qk_in_state` / `store_qn`.
@@ -1120,10 +1118,11 @@ NUM_SMS = 132  # H100 / H200 SXM
 # `store_qn` (115 KB, 242 registers) may fit two programs per SM (2 x 116 KB of 228 KB).
 
 
-def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1) -> Config:
+def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1, *,
+                   nk: int | None = None) -> Config:
     """`Config()` with the output fused into the state kernel, whose tile follows the number of
     (sequence, value head) chains it can run side by side. H100, Nk16 Nv32 H = Hv = 128, bf16
-    (`experiments.profile_gdn_chunk`, NOTES.md sessions 4 and 5), whole op:
+    (`experiments.profile_gdn_chunk`, NOTES.md sessions 4, 5 and 7), whole op:
 
     - few chains (B1 T32K, 32): 32-feature state tiles on 4 warps (session 4: 2.41 ms; 8 warps
       2.74, 64-feature tiles 2.97), plus stored normalised queries and both head-major grids
@@ -1131,14 +1130,24 @@ def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1) -> Conf
       sequential chain).
     - enough chains for two 64-feature programs per SM (B8 T4K, 256): session 4 took 64-feature
       tiles on 8 warps (2.05-2.12 ms); session 5's 32-feature tiles on 4 warps with q kᵀ in the
-      state kernel, stored queries and the slice-major state grid run 1.935 ms against 2.119.
+      state kernel, stored queries and the slice-major state grid run 1.935 ms against 2.119;
+      session 7: the gates loaded a chunk ahead, state 0.986 -> 0.935-0.950 ms (at B1 slower:
+      1.30 -> 1.38-1.40).
+    - both, where `nk` is given and each key head has an even number of value heads: one intra
+      program per value-head pair solving on the diagonal blocks (`intra_pairs="blocks"`;
+      session 7: intra 1.01-1.02 -> 0.73-0.75 ms at B1, 0.95 -> 0.71 at B8; whole op 2.23-2.24 ->
+      1.99 and 1.89-1.91 -> 1.59-1.65 ms).
 
     The head-major grids hold up to 65535 chunks / sequences (`num_chunks`: an upper bound)."""
     majors = dict(state_slice_major=num_seqs <= 65535, intra_head_major=num_chunks <= 65535)
+    pairs = nk is not None and nv % nk == 0 and (nv // nk) % 2 == 0
+    intra = dict(intra_pairs="blocks" if pairs else "off")
     if num_seqs * nv * triton.cdiv(hv, 64) >= 2 * NUM_SMS:
         return Config(fuse_output=True, block_hv_state=32, state_warps=4, qk_in_state=True,
-                      store_qn=True, state_slice_major=majors["state_slice_major"])
-    return Config(fuse_output=True, block_hv_state=32, state_warps=4, store_qn=True, **majors)
+                      store_qn=True, state_slice_major=majors["state_slice_major"],
+                      state_gates_ahead=True, **intra)
+    return Config(fuse_output=True, block_hv_state=32, state_warps=4, store_qn=True, **majors,
+                  **intra)
 
 
 def kernel_options(config: Config) -> dict:
@@ -1208,7 +1217,8 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
     n_tok = bsz * t
     n_seq = bsz if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if config is None:
-        config = default_config(n_seq, nv, hv, num_chunks=triton.cdiv(n_tok, CHUNK) + n_seq)
+        config = default_config(n_seq, nv, hv, num_chunks=triton.cdiv(n_tok, CHUNK) + n_seq,
+                                nk=nk)
     scale = h**-0.5 if scale is None else scale
     f32 = all(x.dtype == jnp.float32 for x in (q, k, v))
     inter = jnp.float32 if f32 else v.dtype

@@ -240,3 +240,15 @@ def test_pairs_compiled_on_gpu_at_model_dims(variant, b, varlen):
 
     config = dataclasses.replace(tc.default_config(b, 32, 128), **prof.VARIANTS[variant])
     _check_at_model_dims(varlen, config)
+
+
+def test_default_config_takes_pairs_only_for_even_ratios():
+    """`default_config` turns on the pair kernel only where every key head has an even number of
+    value heads (it would raise otherwise), and only when told Nk."""
+    assert tc.default_config(1, 32, 128, nk=16).intra_pairs == "blocks"
+    assert tc.default_config(8, 32, 128, nk=8).intra_pairs == "blocks"
+    for nk in (32, None):  # Nv // Nk = 1, or Nk unknown
+        assert tc.default_config(1, 32, 128, nk=nk).intra_pairs == "off"
+    assert tc.default_config(1, 24, 128, nk=8).intra_pairs == "off"  # Nv // Nk = 3
+    assert tc.default_config(8, 32, 128, nk=16).state_gates_ahead  # many chains
+    assert not tc.default_config(1, 32, 128, nk=16).state_gates_ahead
