@@ -80,19 +80,11 @@ VARIANTS = {
     "v16-stages1": dict(block_hv_state=16, state_stages=1),
     "w8": dict(state_warps=8),
     "intra-w8": dict(intra_warps=8),
-    # Session 7: one intra program per pair of value heads (`Config.intra_pairs`): K Kᵀ once,
-    # the two heads' dependent solve chains side by side: "batched" 3-D stacked steps
-    # ([2, 64, 64] x [2, 64, 16], mma.sync; Triton puts all warps on the batch axis, so 4 warps
-    # compute each step twice), "blocks" (the 16 x 16 diagonal blocks of both heads as one
-    # [8, 16, 16] batch: 4 mma.sync per warp per step), "interleaved" (two 2-D wgmma chains; each
-    # dot still waits for itself); the merges 2-D. 4 warps: two programs (four heads) per SM.
-    "pairs": dict(intra_pairs="batched"),
-    "pairs-blocks": dict(intra_pairs="blocks"),
-    "pairs-blocks-w8": dict(intra_pairs="blocks", intra_warps=8),
-    "pairs-interleaved": dict(intra_pairs="interleaved"),
-    "pairs-interleaved-w8": dict(intra_pairs="interleaved", intra_warps=8),
+    # Session 7: the per-head intra kernel where `default_config` takes the value-head pairs
+    # (`Config.intra_pairs`), and the pairs on 8 warps.
+    "no-pairs": dict(intra_pairs=False),
+    "pairs-w8": dict(intra_warps=8),
     "gates": dict(state_gates_ahead=True),
-    "pairs-blocks-gates": dict(intra_pairs="blocks", state_gates_ahead=True),
 }
 
 

@@ -62,8 +62,6 @@ from attn.gdn.reference import L2NORM_EPS
 CHUNK = 64
 _SUB = 16  # rows of the blocks the (I + A)⁻¹ solve works on; CHUNK == 4 * _SUB
 SOLVES = ("subst", "subst_hoist", "nested", "stacked")
-INTRA_PAIRS = ("off", "batched", "blocks", "interleaved")
-_PAIR_MODES = {"interleaved": 0, "batched": 1, "blocks": 2}  # `_intra_pair_kernel`'s PAIR_MODE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -143,17 +141,17 @@ class Config:
     store_qn: bool = False
     # Session 7: one intra program per pair of value heads of a key head (`_intra_pair_kernel`;
     # Nv // Nk even, the "stacked" solve), half the programs: K loaded, normalised and
-    # multiplied by itself once, the two heads' solve chains side by side, so each hides the
-    # other's dot latency. "blocks": 3-D dots on both heads' 16 x 16 diagonal blocks (`[8, 16,
-    # 16] x [8, 16, 16]`, the blocks' own work, a quarter of a stacked step's); "interleaved":
-    # two 2-D dots a step; "batched": 3-D `[2, C, C] x [2, C, 16]` dots (Triton 3.6 puts every
-    # warp on the batch axis of 2, so each step runs twice). H100 B1 T32K / B8 T4K intra ms:
-    # per head 1.01-1.02 / 0.95-0.96, blocks 0.73-0.75 / 0.71-0.72, interleaved 0.78 / 0.73,
-    # batched 2.72 / 2.66, on 8 warps 1.23-1.61. The merges, W and U stay 2-D per head. Same
-    # algebra as "off" but for β applied to K Kᵀ's rows after the dot instead of to K before it
-    # (W / U round differently in bf16; G, P and the normalised keys / queries bitwise the
-    # same). sm_90a at 4 warps 247-251 registers, no spills, 48 KB shared.
-    intra_pairs: str = "off"
+    # multiplied by itself once, the two heads' 16 x 16 diagonal blocks inverted as one batch
+    # of 3-D dots (`[8, 16, 16] x [8, 16, 16]`: the blocks' own work, a quarter of a stacked
+    # step's, both chains in each instruction). H100 intra ms at B1 T32K / B8 T4K: 1.01-1.02 /
+    # 0.95-0.96 per head, 0.73-0.75 / 0.71-0.72 in pairs. Also measured (NOTES.md, session 7):
+    # the stacked steps as 3-D `[2, C, C] x [2, C, 16]` dots 2.72 / 2.66 (Triton 3.6 puts every
+    # warp on the batch axis of 2: each step runs twice), two 2-D chains interleaved 0.78 /
+    # 0.73, 8 warps 1.23-1.61. Same algebra as the per-head kernel but for β applied to K Kᵀ's
+    # rows after the dot instead of to K before it (W / U round differently in bf16; G, P and
+    # the normalised keys / queries bitwise the same). sm_90a at 4 warps ~251 registers, no
+    # spills, 48 KB shared.
+    intra_pairs: bool = False
     # The state kernel's per-chunk gates (G [C], strided by Nv, and G_C) loaded one chunk ahead
     # into registers and carried, in the loop of `state_prefetch` / `qk_in_state` / `store_qn`.
     # Triton's pipeliner prefetches only the dots' operands (W, U, K, Q, P), so those two loads
@@ -161,11 +159,8 @@ class Config:
     state_gates_ahead: bool = False
 
     def __post_init__(self):
-        if self.intra_pairs not in INTRA_PAIRS:
-            raise ValueError(f"intra_pairs={self.intra_pairs!r} must be one of {INTRA_PAIRS}")
-        if self.intra_pairs != "off" and self.solve != "stacked":
-            raise ValueError(f"intra_pairs={self.intra_pairs!r} needs solve='stacked', "
-                             f"not {self.solve!r}")
+        if self.intra_pairs and self.solve != "stacked":
+            raise ValueError(f"intra_pairs needs solve='stacked', not {self.solve!r}")
         for name in ("qk_in_state", "store_qn"):
             if getattr(self, name) and not self.fuse_output:
                 raise ValueError(f"{name} needs fuse_output")
@@ -411,33 +406,9 @@ def _intra_kernel(
 
 
 @triton.jit
-def _pair_stack(x0, x1):
-    """`[2, M, N]` from two `[M, N]` tiles (batch first, as a 3-D `tl.dot` takes it)."""
-    return tl.permute(tl.join(x0, x1), (2, 0, 1))
-
-
-@triton.jit
 def _pair_unstack(x):
     """The two `[M, N]` tiles of a `[2, M, N]` one."""
     return tl.split(tl.permute(x, (1, 2, 0)))
-
-
-@triton.jit
-def _pair_subst_batched(a, r, SB: tl.constexpr, BT: tl.constexpr, F32: tl.constexpr,
-                        LP: tl.constexpr):
-    """`_block_subst_stacked` on a `[2, BT, BT]` pair of A matrices: each step one batched
-    `[2, BT, BT] × [2, BT, SB]` dot (both chains in one dot); returns the
-    block-diagonal inverses `[2, BT, BT]`."""
-    same = ((r[:, None] // SB) == (r[None, :] // SB))[None, :, :]
-    a_diag = tl.where(same, a, 0.0)
-    c = tl.arange(0, SB)
-    d = tl.broadcast_to(tl.where((r % SB)[:, None] == c[None, :], 1.0, 0.0)[None, :, :],
-                        (2, BT, SB))
-    for i in range(1, SB):
-        sel = (r % SB == i)[None, :, None]
-        d = tl.where(sel, d - _sdot(a_diag, d, F32, LP), d)
-    full = tl.reshape(tl.broadcast_to(d[:, :, None, :], (2, BT, BT // SB, SB)), (2, BT, BT))
-    return tl.where(same, full, 0.0)
 
 
 @triton.jit
@@ -482,29 +453,9 @@ def _pair_subst_blocks(a0, a1, SB: tl.constexpr, BT: tl.constexpr, F32: tl.const
 
 
 @triton.jit
-def _pair_subst_interleaved(a0, a1, r, SB: tl.constexpr, BT: tl.constexpr, F32: tl.constexpr,
+def _pair_merge(a0, a1, d0, d1, r, INNER: tl.constexpr, F32: tl.constexpr,
                             LP: tl.constexpr):
-    """`_block_subst_stacked` on two A matrices, their steps interleaved (two independent 2-D
-    dots per step); returns both block-diagonal inverses `[BT, BT]`."""
-    same = (r[:, None] // SB) == (r[None, :] // SB)
-    a0 = tl.where(same, a0, 0.0)
-    a1 = tl.where(same, a1, 0.0)
-    c = tl.arange(0, SB)
-    d0 = tl.where((r % SB)[:, None] == c[None, :], 1.0, 0.0)
-    d1 = d0
-    for i in range(1, SB):
-        sel = (r % SB == i)[:, None]
-        d0 = tl.where(sel, d0 - _sdot(a0, d0, F32, LP), d0)
-        d1 = tl.where(sel, d1 - _sdot(a1, d1, F32, LP), d1)
-    full0 = tl.reshape(tl.broadcast_to(d0[:, None, :], (BT, BT // SB, SB)), (BT, BT))
-    full1 = tl.reshape(tl.broadcast_to(d1[:, None, :], (BT, BT // SB, SB)), (BT, BT))
-    return tl.where(same, full0, 0.0), tl.where(same, full1, 0.0)
-
-
-@triton.jit
-def _pair_merge_interleaved(a0, a1, d0, d1, r, INNER: tl.constexpr, F32: tl.constexpr,
-                            LP: tl.constexpr):
-    """`_block_merge` on two matrices, dot by dot interleaved."""
+    """`_block_merge` on two matrices, dot by dot interleaved (two independent chains)."""
     outer = (r[:, None] // (4 * INNER)) == (r[None, :] // (4 * INNER))
     off = outer & ((r[:, None] // INNER) != (r[None, :] // INNER))
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
@@ -563,14 +514,13 @@ def _intra_pair_kernel(
     HEAD_MAJOR: tl.constexpr = False,
     STORE_QN: tl.constexpr = False,
     QN_OFF: tl.constexpr = 0,
-    PAIR_MODE: tl.constexpr = 1,
 ):
     """`_intra_kernel` for value heads 2j and 2j + 1 (`Config.intra_pairs`), grid
     `(chunks, Nv / 2)` (`(Nv / 2, chunks)` if HEAD_MAJOR): G, P and the normalised keys /
-    queries exactly as `_intra_kernel` stores them; A from one K Kᵀ; the "stacked" solve of both
-    heads' 15 steps as batched 3-D dots (PAIR_MODE 1: `[2, BT, BT] × [2, BT, 16]`; 2: the
-    diagonal blocks, `[8, 16, 16] × [8, 16, 16]`) or as two 2-D chains interleaved (0); the
-    4-dot merges as 2-D dots, interleaved."""
+    queries exactly as `_intra_kernel` stores them; A from one K Kᵀ; the 16-row diagonal blocks
+    of both heads inverted together as one batch of 3-D dots (`_pair_subst_blocks`), then the
+    two 4-dot merges interleaved. (A 3-D dot puts all warps on its batch axis in Triton 3.6, so
+    only the batch of 8 blocks is 3-D; the [C, C] products stay 2-D, per head.)"""
     tl.static_assert(BT == 64 and SUB == 16 and STACKED and (NV // NK) % 2 == 0)
     if HEAD_MAJOR:
         ci = tl.program_id(1)
@@ -616,16 +566,8 @@ def _intra_pair_kernel(
                   * tl.exp(tl.where(lower, gc0[:, None] - gc0[None, :], float("-inf"))), 0.0)
     a1 = tl.where(lower, beta1[:, None] * kk
                   * tl.exp(tl.where(lower, gc1[:, None] - gc1[None, :], float("-inf"))), 0.0)
-    # (A 3-D dot puts all warps on the batch axis (Triton 3.6, mma.sync): a batch of 2 on 4
-    # warps computes everything twice, so the [C, C] merges stay 2-D, per head.)
-    if PAIR_MODE == 1:
-        d0, d1 = _pair_unstack(_pair_subst_batched(_pair_stack(a0, a1), r, SUB, BT, F32,
-                                                   SOLVE_LP))
-    elif PAIR_MODE == 2:
-        d0, d1 = _pair_subst_blocks(a0, a1, SUB, BT, F32, SOLVE_LP)
-    else:
-        d0, d1 = _pair_subst_interleaved(a0, a1, r, SUB, BT, F32, SOLVE_LP)
-    t0, t1 = _pair_merge_interleaved(a0, a1, d0, d1, r, 16, F32, SOLVE_LP)
+    d0, d1 = _pair_subst_blocks(a0, a1, SUB, BT, F32, SOLVE_LP)
+    t0, t1 = _pair_merge(a0, a1, d0, d1, r, 16, F32, SOLVE_LP)
 
     # W = T (β K ⊙ exp(G)) of both heads (K reloaded), then U = T (β V) with both heads' v
     # loaded together.
@@ -1134,14 +1076,14 @@ def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1, *,
       session 7: the gates loaded a chunk ahead, state 0.986 -> 0.935-0.950 ms (at B1 slower:
       1.30 -> 1.38-1.40).
     - both, where `nk` is given and each key head has an even number of value heads: one intra
-      program per value-head pair solving on the diagonal blocks (`intra_pairs="blocks"`;
+      program per value-head pair solving on the diagonal blocks (`intra_pairs`;
       session 7: intra 1.01-1.02 -> 0.73-0.75 ms at B1, 0.95 -> 0.71 at B8; whole op 2.23-2.24 ->
       1.99 and 1.89-1.91 -> 1.59-1.65 ms).
 
     The head-major grids hold up to 65535 chunks / sequences (`num_chunks`: an upper bound)."""
     majors = dict(state_slice_major=num_seqs <= 65535, intra_head_major=num_chunks <= 65535)
     pairs = nk is not None and nv % nk == 0 and (nv // nk) % 2 == 0
-    intra = dict(intra_pairs="blocks" if pairs else "off")
+    intra = dict(intra_pairs=pairs)
     if num_seqs * nv * triton.cdiv(hv, 64) >= 2 * NUM_SMS:
         return Config(fuse_output=True, block_hv_state=32, state_warps=4, qk_in_state=True,
                       store_qn=True, state_slice_major=majors["state_slice_major"],
@@ -1161,20 +1103,18 @@ def intra_options(config: Config) -> dict:
     return dict(SUB=4 if config.solve == "nested" else _SUB, HOIST=config.solve == "subst_hoist",
                 STACKED=config.solve == "stacked", SOLVE_LP=config.solve_bf16,
                 STORE_KN=config.store_kn, FUSE=config.fuse_output and not config.qk_in_state,
-                OUT_LP=config.out_bf16, HEAD_MAJOR=config.intra_head_major,
-                **({} if config.intra_pairs == "off"
-                   else dict(PAIR_MODE=_PAIR_MODES[config.intra_pairs])))
+                OUT_LP=config.out_bf16, HEAD_MAJOR=config.intra_head_major)
 
 
 def intra_kernel(config: Config):
     """The intra-chunk kernel `config` launches (`intra_options` are its constexprs)."""
-    return _intra_kernel if config.intra_pairs == "off" else _intra_pair_kernel
+    return _intra_pair_kernel if config.intra_pairs else _intra_kernel
 
 
 def intra_grid(config: Config, nv: int, n_chunks: int) -> tuple[int, int]:
     """The intra kernel's grid: a program per (chunk, value head), or per (chunk, pair of value
     heads) with `intra_pairs`; heads first with `intra_head_major`."""
-    heads = nv if config.intra_pairs == "off" else nv // 2
+    heads = nv // 2 if config.intra_pairs else nv
     return (heads, n_chunks) if config.intra_head_major else (n_chunks, heads)
 
 
@@ -1243,9 +1183,9 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
         raise ValueError(f"intra_head_major: {n_chunks} chunks > 65535 (the grid's y limit)")
     if config.state_slice_major and n_seq > 65535:
         raise ValueError(f"state_slice_major: {n_seq} sequences > 65535 (the grid's z limit)")
-    if config.intra_pairs != "off" and (nv % nk or (nv // nk) % 2):
-        raise ValueError(f"intra_pairs={config.intra_pairs!r} needs an even number of value heads "
-                         f"per key head: Nv={nv}, Nk={nk} (Nv // Nk = {nv // nk})")
+    if config.intra_pairs and (nv % nk or (nv // nk) % 2):
+        raise ValueError(f"intra_pairs needs an even number of value heads per key head: "
+                         f"Nv={nv}, Nk={nk} (Nv // Nk = {nv // nk})")
 
     def intra(q2, k2, v2, g2, beta2, cstart, clen):
         out = triton_call(

@@ -1,6 +1,5 @@
 """`triton_chunk.Config.intra_pairs` (interpreted on CPU): one intra-chunk program per pair of
-value heads of a key head, both heads' solves side by side ("batched" 3-D stacked dots,
-"blocks": 3-D dots on both heads' 16 x 16 diagonal blocks, or two "interleaved" 2-D chains).
+value heads of a key head, both heads' 16 x 16 diagonal blocks solved as one batch of 3-D dots.
 
 The pair path computes K Kᵀ once and applies β to its rows after the dot (the per-head path
 multiplies K by β before it), so W and U round differently in bf16 (~1e-3 relative norm), the
@@ -29,7 +28,6 @@ from tests.attn.test_gdn_triton import (
 )
 from tests.utils import assert_close, rng
 
-MODES = ["batched", "blocks", "interleaved"]
 LENS = [1, 70, 0, 100]  # one token, a chunk and a tail, an empty sequence, a chunk and a tail
 # (Nk, Nv, config changes on top of `default_config`): GVA 2 on the defaults (fused, stored
 # normalised keys and queries, head-major grid); GVA 4 (two pairs per key head: only the first
@@ -71,9 +69,8 @@ def _swap_pairs(x):
     return x[:, np.arange(nv) ^ 1]
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_pairs_match_per_head_path_bf16_varlen(mode, layout):
+def test_pairs_match_per_head_path_bf16_varlen(layout):
     """bf16 packed sequences of 1, 70, 0 and 100 tokens with initial states: the intra kernel's
     G, normalised keys / queries and P bit for bit the per-head path's, W and U per value head
     within PAIR_TOL (and the heads swapped far outside it); the whole op's output and final
@@ -83,8 +80,8 @@ def test_pairs_match_per_head_path_bf16_varlen(mode, layout):
     nk, nv, opts = LAYOUTS[layout]
     xs, h0, cu = _varlen(jnp.bfloat16, nk, nv)
     base = dataclasses.replace(tc.default_config(len(LENS), nv, 32), **opts)
-    pairs = dataclasses.replace(base, intra_pairs=mode)
-    assert base.intra_pairs == "off"
+    pairs = dataclasses.replace(base, intra_pairs=True)
+    assert not base.intra_pairs
     got, exp = _intra(xs, h0, cu, pairs), _intra(xs, h0, cu, base)
     for name, a, e in zip(("gcum", "w", "u", "kn", "p"), got, exp, strict=True):
         a, e = _f32(a), _f32(e)
@@ -123,15 +120,14 @@ def test_pairs_match_per_head_path_bf16_varlen(mode, layout):
                 f"sequence {i} {name}: {err:.3g} against the per-head path's {base_err:.3g}")
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_pairs_float32_varlen_match_reference(mode):
+def test_pairs_float32_varlen_match_reference():
     """float32 (3-pass TF32 dots): GVA 2 packed sequences with states within 1e-5 of the
     per-head path and of the float64 recurrence, and within 1e-4 of the float32 XLA reference
     (`test_chunked_kernel_matches_reference_and_float64`'s bound: two float32 chunked
     algorithms)."""
     xs, h0, cu = _varlen(jnp.float32, 2, 4)
     base = tc.default_config(len(LENS), 4, 32)
-    o, final = _whole(xs, h0, cu, dataclasses.replace(base, intra_pairs=mode))
+    o, final = _whole(xs, h0, cu, dataclasses.replace(base, intra_pairs=True))
     o0, final0 = _whole(xs, h0, cu, base)
     assert o.dtype == jnp.float32
     assert_close(o, o0, atol=1e-5, rtol=1e-5)
@@ -146,8 +142,7 @@ def test_pairs_float32_varlen_match_reference(mode):
         assert_close(final[i:i + 1], final64, atol=1e-5, rtol=1e-5, err_msg=f"sequence {i}")
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_pairs_raw_keys_padded_dims_rows(mode):
+def test_pairs_raw_keys_padded_dims_rows():
     """bf16 without l2-norm (no stored keys), an explicit scale, H = 24 / Hv = 20 padded and
     masked, B2 rows of T = 70 (table-free state addressing) from a zero state, GVA 2: within
     1e-2 of the per-head path, per value head (measured <= 2e-3 per head; the heads swapped
@@ -157,25 +152,22 @@ def test_pairs_raw_keys_padded_dims_rows(mode):
     k = (k.astype(jnp.float32) * 24 ** -0.5).astype(jnp.bfloat16)
     base = tc.default_config(2, 4, 20)
     run = lambda config: tc.gdn_chunked(q, k, v, g, beta, scale=0.3, config=config)
-    (o, final), (o0, final0) = run(dataclasses.replace(base, intra_pairs=mode)), run(base)
+    (o, final), (o0, final0) = run(dataclasses.replace(base, intra_pairs=True)), run(base)
     assert np.isfinite(_f32(o)).all() and np.isfinite(_f32(final)).all()
     for h in range(4):
         assert _rel_norm(_f32(o[:, :, h]), _f32(o0[:, :, h])) <= 1e-2, h
         assert _rel_norm(final[:, h], final0[:, h]) <= 1e-2, h
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_pairs_bf16_varlen_with_states_on_plain(mode):
+def test_pairs_bf16_varlen_with_states_on_plain():
     """On top of PLAIN (unfused, TF32 solve and output; the pairs need the "stacked" solve):
     the shared bf16 accuracy check against the float64 recurrence (GVA 1 -> 2)."""
-    check_option_bf16_varlen_with_states(dict(solve="stacked", intra_pairs=mode))
+    check_option_bf16_varlen_with_states(dict(solve="stacked", intra_pairs=True))
 
 
 def test_pairs_validation():
-    with pytest.raises(ValueError, match="intra_pairs"):
-        tc.Config(intra_pairs="on")
     with pytest.raises(ValueError, match="stacked"):
-        tc.Config(intra_pairs="batched", solve="subst")
+        tc.Config(intra_pairs=True, solve="subst")
 
     def build(nk, nv, config):
         shapes = [jax.ShapeDtypeStruct((1, 70, nk, 16), jnp.bfloat16)] * 2 + [
@@ -189,37 +181,36 @@ def test_pairs_validation():
 
         return jax.eval_shape(fn, *shapes)
 
-    for mode in MODES:
-        config = tc.Config(intra_pairs=mode)
-        build(2, 4, config)  # GVA 2
-        build(1, 4, config)  # GVA 4: two pairs per key head
-        for nk, nv in ((1, 1), (1, 3), (2, 2), (2, 6)):
-            build(nk, nv, tc.Config())  # the per-head path takes any Nk | Nv
-            with pytest.raises(ValueError, match=f"Nv={nv}, Nk={nk}"):
-                build(nk, nv, config)
+    config = tc.Config(intra_pairs=True)
+    build(2, 4, config)  # GVA 2
+    build(1, 4, config)  # GVA 4: two pairs per key head
+    for nk, nv in ((1, 1), (1, 3), (2, 2), (2, 6)):
+        build(nk, nv, tc.Config())  # the per-head path takes any Nk | Nv
+        with pytest.raises(ValueError, match=f"Nv={nv}, Nk={nk}"):
+            build(nk, nv, config)
 
 
 def test_profile_pairs_variants_quick():
-    """`profile_gdn_chunk --quick --variants pairs,...` (interpreter): timed per kernel and
-    whole, the output within PAIR_TOL of the case's default_config."""
+    """`profile_gdn_chunk --quick --variants no-pairs,pairs-w8` (interpreter, GVA 2 so the
+    case's default_config takes the pairs): timed per kernel and whole, the per-head path's
+    output within PAIR_TOL of the pairs'."""
     from experiments import profile_gdn_chunk as prof
 
-    names = [n for n in prof.VARIANTS if n.startswith("pairs")]
-    assert {prof.VARIANTS[n]["intra_pairs"] for n in names} == set(MODES)
-    rows = prof.main(["--quick", "--cases", "1x70", "--variants", "pairs,pairs-blocks"])
+    assert prof.QUICK_HEADS["nv"] // prof.QUICK_HEADS["nk"] == 2
+    rows = prof.main(["--quick", "--cases", "1x70", "--variants", "no-pairs,pairs-w8"])
     wholes = [r for r in rows if r["kernel"] == "whole"]
-    assert [r["variant"] for r in wholes] == ["default_config", "pairs", "pairs-blocks"]
+    assert [r["variant"] for r in wholes] == ["default_config", "no-pairs", "pairs-w8"]
     for r in wholes[1:]:
         assert r["rel_err_o"] <= PAIR_TOL and r["rel_err_final"] <= PAIR_TOL and r["ms"] > 0, r
 
 
 def test_pairs_compile_for_sm90():
-    """Triton's compiler (not the interpreter) on every pair mode at the model's heads, bf16,
+    """Triton's compiler (not the interpreter) on the pair kernel at the model's heads, bf16,
     4 and 8 warps: `profile_gdn_chunk --ptxas` (sm_90a, Triton's bundled ptxas, no GPU)."""
     from experiments import profile_gdn_chunk as prof
 
     base = "fuse_output=1,block_hv_state=32,state_warps=4,store_qn=1,intra_head_major=1"
-    configs = [f"{base},intra_pairs={mode},intra_warps={w}" for mode in MODES for w in (4, 8)]
+    configs = [f"{base},intra_pairs=1,intra_warps={w}" for w in (4, 8)]
     done = prof.ptxas_report(configs, capture=True)
     if "No such file" in done.stderr or "FileNotFoundError" in done.stderr:
         pytest.skip("Triton's bundled ptxas is missing")
@@ -228,8 +219,7 @@ def test_pairs_compile_for_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["pairs", "pairs-blocks", "pairs-blocks-w8",
-                                     "pairs-interleaved", "pairs-interleaved-w8"])
+@pytest.mark.parametrize("variant", ["no-pairs", "pairs-w8"])
 @pytest.mark.parametrize("b", [1, 8], ids=["B1-defaults", "B8-defaults"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["B2-T4K", "varlen"])
 def test_pairs_compiled_on_gpu_at_model_dims(variant, b, varlen):
@@ -238,17 +228,17 @@ def test_pairs_compiled_on_gpu_at_model_dims(variant, b, varlen):
     reference (`_check_at_model_dims`)."""
     from experiments import profile_gdn_chunk as prof
 
-    config = dataclasses.replace(tc.default_config(b, 32, 128), **prof.VARIANTS[variant])
+    config = dataclasses.replace(tc.default_config(b, 32, 128, nk=16), **prof.VARIANTS[variant])
     _check_at_model_dims(varlen, config)
 
 
 def test_default_config_takes_pairs_only_for_even_ratios():
     """`default_config` turns on the pair kernel only where every key head has an even number of
     value heads (it would raise otherwise), and only when told Nk."""
-    assert tc.default_config(1, 32, 128, nk=16).intra_pairs == "blocks"
-    assert tc.default_config(8, 32, 128, nk=8).intra_pairs == "blocks"
+    assert tc.default_config(1, 32, 128, nk=16).intra_pairs
+    assert tc.default_config(8, 32, 128, nk=8).intra_pairs
     for nk in (32, None):  # Nv // Nk = 1, or Nk unknown
-        assert tc.default_config(1, 32, 128, nk=nk).intra_pairs == "off"
-    assert tc.default_config(1, 24, 128, nk=8).intra_pairs == "off"  # Nv // Nk = 3
+        assert not tc.default_config(1, 32, 128, nk=nk).intra_pairs
+    assert not tc.default_config(1, 24, 128, nk=8).intra_pairs  # Nv // Nk = 3
     assert tc.default_config(8, 32, 128, nk=16).state_gates_ahead  # many chains
     assert not tc.default_config(1, 32, 128, nk=16).state_gates_ahead
