@@ -85,6 +85,10 @@ VARIANTS = {
     "no-pairs": dict(intra_pairs=False),
     "pairs-w8": dict(intra_warps=8),
     "gates": dict(state_gates_ahead=True),
+    "no-gates": dict(state_gates_ahead=False),
+    "u-ahead": dict(state_u_ahead=True),
+    "no-u": dict(state_u_ahead=False),
+    "u-gates": dict(state_u_ahead=True, state_gates_ahead=True),
 }
 
 

@@ -157,6 +157,9 @@ class Config:
     # Triton's pipeliner prefetches only the dots' operands (W, U, K, Q, P), so those two loads
     # otherwise wait out a full L2 / DRAM latency inside every step of the sequential chain.
     state_gates_ahead: bool = False
+    # The same for U's rows (`U − W S`: an operand of a subtraction, not of a dot, so not
+    # prefetched by the pipeliner either).
+    state_u_ahead: bool = False
 
     def __post_init__(self):
         if self.intra_pairs and self.solve != "stacked":
@@ -615,9 +618,8 @@ def _gates(gcum_ptr, start, n, r, I32: tl.constexpr, head, NV: tl.constexpr):
 
 
 @triton.jit
-def _gates_of(c, count, seq, first, cstart_ptr, clen_ptr, gcum_ptr, r, I32: tl.constexpr, head,
-              NV: tl.constexpr, T_ROW: tl.constexpr, BT: tl.constexpr):
-    """`_gates` of chunk `c` of the program's sequence, zeros from chunk `count` on (every load
+def _chunk_of(c, count, seq, first, cstart_ptr, clen_ptr, T_ROW: tl.constexpr, BT: tl.constexpr):
+    """`_state_chunk` for the loads a chunk ahead: n = 0 from chunk `count` on (the table loads
     masked: the loop asks for the chunk after its last)."""
     ok = c < count
     if T_ROW:
@@ -626,6 +628,12 @@ def _gates_of(c, count, seq, first, cstart_ptr, clen_ptr, gcum_ptr, r, I32: tl.c
     else:
         start = tl.load(cstart_ptr + first + c, mask=ok, other=0)
         n = tl.load(clen_ptr + first + c, mask=ok, other=0)
+    return start, n
+
+
+@triton.jit
+def _gates_of(start, n, gcum_ptr, r, I32: tl.constexpr, head, NV: tl.constexpr):
+    """`_gates` of a chunk of n >= 0 tokens (zeros for none)."""
     gc = tl.load(_col(gcum_ptr, start, r, I32, head, NV), mask=r < n, other=0.0)
     g_last = tl.load(gcum_ptr + (start + n - 1).to(tl.int64) * NV + head, mask=n > 0, other=0.0)
     return gc, g_last
@@ -635,12 +643,16 @@ def _gates_of(c, count, seq, first, cstart_ptr, clen_ptr, gcum_ptr, r, I32: tl.c
 def _state_tiles(k_ptr, w_ptr, u_ptr, gcum_ptr, q_ptr, p_ptr, start, n, r, I32: tl.constexpr,
                  head, kh, offs_h, mask_h, offs_v, mask_v, FUSE: tl.constexpr, QK: tl.constexpr,
                  NK: tl.constexpr, NV: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
-                 BT: tl.constexpr, GATES: tl.constexpr = True):
+                 BT: tl.constexpr, GATES: tl.constexpr = True, U: tl.constexpr = True):
     """Every global load of one chunk step, issued together and kept as stored (no casts: the
     step converts them), so their latencies overlap one another. `q` / `pm` are `[1, 1]` zeros
-    when the step does not read them; so are `gc` / `g_last` without GATES (loaded ahead)."""
+    when the step does not read them; so are `gc` / `g_last` without GATES and `u` without U
+    (loaded a chunk ahead)."""
     w = _rows(w_ptr, start, n, r, I32, head, offs_h, mask_h, NV, H)  # [BT, BLOCK_H]
-    u = _rows(u_ptr, start, n, r, I32, head, offs_v, mask_v, NV, HV)  # [BT, BLOCK_HV]
+    if U:
+        u = _rows(u_ptr, start, n, r, I32, head, offs_v, mask_v, NV, HV)  # [BT, BLOCK_HV]
+    else:
+        u = tl.zeros((1, 1), tl.float32)
     k = _rows(k_ptr, start, n, r, I32, kh, offs_h, mask_h, NK, H)
     if GATES:
         gc, g_last = _gates(gcum_ptr, start, n, r, I32, head, NV)
@@ -720,23 +732,32 @@ def _state_loop(s, k_ptr, w_ptr, u_ptr, gcum_ptr, cstart_ptr, clen_ptr, q_ptr, p
                 FUSE: tl.constexpr, OUT_LP: tl.constexpr, QNORM: tl.constexpr,
                 SCALE: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, H: tl.constexpr,
                 HV: tl.constexpr, BT: tl.constexpr, QK: tl.constexpr, QRAW: tl.constexpr,
-                GATES_AHEAD: tl.constexpr = False):
+                GATES_AHEAD: tl.constexpr = False, U_AHEAD: tl.constexpr = False):
     """`_state_kernel`'s chunk loop with each step's loads issued together at its top
     (`Config.state_prefetch`, and `qk_in_state`). Triton software-pipelines the dots' operands
     either way (async copies a chunk ahead, given jax-triton's 16-byte-aligned pointers);
-    GATES_AHEAD loads the next chunk's gates into registers during this one's step."""
-    if GATES_AHEAD:
-        gc_next, g_last_next = _gates_of(0, count, seq, first, cstart_ptr, clen_ptr, gcum_ptr, r,
-                                         I32, head, NV, T_ROW, BT)
+    GATES_AHEAD / U_AHEAD load the next chunk's gates / U rows into registers during this
+    one's step."""
+    if GATES_AHEAD or U_AHEAD:
+        start_next, n_next = _chunk_of(0, count, seq, first, cstart_ptr, clen_ptr, T_ROW, BT)
+        if GATES_AHEAD:
+            gc_next, g_last_next = _gates_of(start_next, n_next, gcum_ptr, r, I32, head, NV)
+        if U_AHEAD:
+            u_next = _rows(u_ptr, start_next, n_next, r, I32, head, offs_v, mask_v, NV, HV)
     for c in range(0, count):
         start, n = _state_chunk(c, seq, first, cstart_ptr, clen_ptr, T_ROW, BT)
         w, u, k, gc, g_last, q, pm = _state_tiles(
             k_ptr, w_ptr, u_ptr, gcum_ptr, q_ptr, p_ptr, start, n, r, I32, head, kh, offs_h,
-            mask_h, offs_v, mask_v, FUSE, QK, NK, NV, H, HV, BT, not GATES_AHEAD)
+            mask_h, offs_v, mask_v, FUSE, QK, NK, NV, H, HV, BT, not GATES_AHEAD, not U_AHEAD)
+        if GATES_AHEAD or U_AHEAD:
+            start_next, n_next = _chunk_of(c + 1, count, seq, first, cstart_ptr, clen_ptr, T_ROW,
+                                           BT)
         if GATES_AHEAD:
             gc, g_last = gc_next, g_last_next
-            gc_next, g_last_next = _gates_of(c + 1, count, seq, first, cstart_ptr, clen_ptr,
-                                             gcum_ptr, r, I32, head, NV, T_ROW, BT)
+            gc_next, g_last_next = _gates_of(start_next, n_next, gcum_ptr, r, I32, head, NV)
+        if U_AHEAD:
+            u = u_next
+            u_next = _rows(u_ptr, start_next, n_next, r, I32, head, offs_v, mask_v, NV, HV)
         s = _state_step(s, w, u, k, gc, g_last, q, pm, start, n, first + c, r, I32, head, offs_v,
                         mask_v, tile, mask, hbuf_ptr, vnew_ptr, o_ptr, EPS, L2NORM, F32, DECAY_V,
                         FUSE, OUT_LP, QNORM, SCALE, QK, NV, H, HV, BT, QRAW)
@@ -784,6 +805,7 @@ def _state_kernel(
     QRAW: tl.constexpr = False,
     Q_OFF: tl.constexpr = 0,
     GATES_AHEAD: tl.constexpr = False,
+    U_AHEAD: tl.constexpr = False,
 ):
     if SLICE_MAJOR:  # grid (slices, Nv, Ns): a head's value slices launch side by side
         seq = tl.program_id(2)
@@ -808,14 +830,14 @@ def _state_kernel(
     r = tl.arange(0, BT)
     first = tl.load(sfirst_ptr + seq)
     count = tl.load(scount_ptr + seq)
-    if PREFETCH or QK or QRAW or GATES_AHEAD:  # these exist in `_state_loop` only
+    if PREFETCH or QK or QRAW or GATES_AHEAD or U_AHEAD:  # these exist in `_state_loop` only
         if QRAW:  # the queries after the keys in the intra kernel's buffer
             q_ptr = q_ptr + Q_OFF
         s = _state_loop(
             s, k_ptr, w_ptr, u_ptr, gcum_ptr, cstart_ptr, clen_ptr, q_ptr, p_ptr, hbuf_ptr,
             vnew_ptr, o_ptr, seq, head, kh, first, count, r, offs_h, mask_h, offs_v, mask_v,
             tile, mask, EPS, L2NORM, F32, I32, T_ROW, DECAY_V, FUSE, OUT_LP, QNORM, SCALE, NK, NV,
-            H, HV, BT, QK, QRAW, GATES_AHEAD)
+            H, HV, BT, QK, QRAW, GATES_AHEAD, U_AHEAD)
     else:
         for c in range(0, count):
             ci = first + c
@@ -1087,9 +1109,9 @@ def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1, *,
     if num_seqs * nv * triton.cdiv(hv, 64) >= 2 * NUM_SMS:
         return Config(fuse_output=True, block_hv_state=32, state_warps=4, qk_in_state=True,
                       store_qn=True, state_slice_major=majors["state_slice_major"],
-                      state_gates_ahead=True, **intra)
+                      state_gates_ahead=True, state_u_ahead=True, **intra)
     return Config(fuse_output=True, block_hv_state=32, state_warps=4, store_qn=True, **majors,
-                  **intra)
+                  state_u_ahead=True, **intra)
 
 
 def kernel_options(config: Config) -> dict:
@@ -1123,7 +1145,7 @@ def state_options(config: Config, t_row: int = 0) -> dict:
     return dict(DECAY_V=config.decay_on_v, T_ROW=t_row if config.affine_state else 0,
                 FUSE=config.fuse_output, OUT_LP=config.out_bf16, PREFETCH=config.state_prefetch,
                 SLICE_MAJOR=config.state_slice_major, QK=config.qk_in_state,
-                GATES_AHEAD=config.state_gates_ahead)
+                GATES_AHEAD=config.state_gates_ahead, U_AHEAD=config.state_u_ahead)
 
 
 def state_launch(config: Config) -> dict:

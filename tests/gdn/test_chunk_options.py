@@ -38,6 +38,9 @@ OPTIONS = [
     dict(state_prefetch=True, state_slice_major=True, block_hv_state=16),  # unfused
     dict(state_gates_ahead=True),
     dict(fuse_output=False, state_gates_ahead=True),
+    dict(state_u_ahead=True),
+    dict(state_u_ahead=True, state_gates_ahead=True),
+    dict(fuse_output=False, state_u_ahead=True),
 ]
 IDS = [case_id(**o) for o in OPTIONS]
 LENS = [1, 70, 0, 64]  # one token, a chunk and a tail, an empty sequence, one full chunk
@@ -201,7 +204,8 @@ def test_profile_variants_quick_runs_bitwise():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["qn-majors", "qk-qn-majors", "qk-qn-v16", "qk-qn-v32",
-                                     "prefetch", "stages3", "gates", "no-pairs"])
+                                     "prefetch", "stages3", "gates", "no-pairs", "u-ahead",
+                                     "u-gates"])
 @pytest.mark.parametrize("b", [1, 8], ids=["B1-defaults", "B8-defaults"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["B2-T4K", "varlen"])
 def test_variants_compiled_on_gpu_at_model_dims(variant, b, varlen):
