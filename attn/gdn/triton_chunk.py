@@ -1096,7 +1096,8 @@ def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1, *,
       tiles on 8 warps (2.05-2.12 ms); session 5's 32-feature tiles on 4 warps with q kᵀ in the
       state kernel, stored queries and the slice-major state grid run 1.935 ms against 2.119;
       session 7: the gates loaded a chunk ahead, state 0.986 -> 0.935-0.950 ms (at B1 slower:
-      1.30 -> 1.38-1.40).
+      1.30 -> 1.38-1.40). U's rows a chunk ahead: at B1 state 1.281 -> 1.198 ms (taken), at B8
+      0.906 -> 0.961 (not).
     - both, where `nk` is given and each key head has an even number of value heads: one intra
       program per value-head pair solving on the diagonal blocks (`intra_pairs`;
       session 7: intra 1.01-1.02 -> 0.73-0.75 ms at B1, 0.95 -> 0.71 at B8; whole op 2.23-2.24 ->
@@ -1109,7 +1110,7 @@ def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1, *,
     if num_seqs * nv * triton.cdiv(hv, 64) >= 2 * NUM_SMS:
         return Config(fuse_output=True, block_hv_state=32, state_warps=4, qk_in_state=True,
                       store_qn=True, state_slice_major=majors["state_slice_major"],
-                      state_gates_ahead=True, state_u_ahead=True, **intra)
+                      state_gates_ahead=True, **intra)
     return Config(fuse_output=True, block_hv_state=32, state_warps=4, store_qn=True, **majors,
                   state_u_ahead=True, **intra)
 
