@@ -27,20 +27,20 @@ accumulation; the `(I + A)⁻¹` solve and the output kernel's products in TF32 
 the output error in the interpreter and made ptxas spill); the state carried from chunk to chunk
 stays float32 in registers.
 
-`Config`'s speed options (all off by default, untimed as of writing; each tested in the
-interpreter and compiled for sm_90a by the tests): the solve's variants (`solve`, `solve_bf16`),
-bf16 output dots (`out_bf16`), the state update's decay on V_new (`decay_on_v`), int32 address
-tiles (`i32_offsets`), normalised keys stored once (`store_kn`), table-free chunk addressing in
-the sequential loop (`affine_state`), the state kernel's own warps / stages, and `fuse_output`:
-the output written by the state kernel (no per-chunk states or V_new in HBM, no third kernel).
-Session 5 (each bitwise the other options' results in the interpreter): each state step's loads
-issued together (`state_prefetch`, untimed), the grids' launch orders (`state_slice_major`,
-`intra_head_major`), P made by the state kernel (`qk_in_state`), the normalised queries stored
-once (`store_qn`); `default_config` turns on the combinations that measured fastest. Bytes and
-latencies per kernel in the comment above `default_config`.
-Session 7: `intra_pairs`, one intra program per pair of value heads (`_intra_pair_kernel`), and
-`state_gates_ahead`; `default_config` takes both where they measured faster.
-`experiments/profile_gdn_chunk.py` times the kernels one by one for any of them (`--variants`).
+`Config`'s speed options (off in `Config()`; each tested in the interpreter, compiled for sm_90a
+by the tests and timed on an H100 by `experiments/profile_gdn_chunk.py --variants`, NOTES.md
+sessions 4-7): the solve's variants (`solve`, `solve_bf16`), bf16 output dots (`out_bf16`), the
+state update's decay on V_new (`decay_on_v`), int32 address tiles (`i32_offsets`), normalised
+keys stored once (`store_kn`), table-free chunk addressing in the sequential loop
+(`affine_state`), the state kernel's own warps / stages, and `fuse_output`: the output written by
+the state kernel (no per-chunk states or V_new in HBM, no third kernel). Session 5 (each bitwise
+the other options' results in the interpreter): each state step's loads issued together
+(`state_prefetch`), the grids' launch orders (`state_slice_major`, `intra_head_major`), P made by
+the state kernel (`qk_in_state`), the normalised queries stored once (`store_qn`). Session 7:
+one intra program per pair of value heads (`intra_pairs`, `_intra_pair_kernel`: both heads'
+diagonal blocks solved as one batch), the state step's non-dot loads (gates, U) a chunk ahead
+(`state_gates_ahead`, `state_u_ahead`). `default_config` turns on the combinations that measured
+fastest; bytes and latencies per kernel in the comment above it.
 
 Supports: any B, T, Nk | Nv, H and Hv (padded to powers of two >= 16 and masked), initial and
 final states `[Ns, Nv, H, Hv]` float32, varlen with empty sequences, gradients (the XLA
