@@ -17,10 +17,12 @@ Each kernel is jitted alone on the previous kernel's real outputs and timed with
 a warm-up, `block_until_ready` once per trial); `whole` is the jitted three-kernel op. Per kernel:
 
 - `GB`: HBM bytes if every tensor is read or written once (inputs + outputs, at their dtypes);
-  `GB_rr` adds the re-reads the grid implies (k per value head; w / k per state tile of
-  `block_hv_state` value features, q / k per output tile): L2 absorbs part of those.
-- `GFLOP`: the matmuls as the kernel runs them: intra `K Kᵀ` 2C²H, the solve's [C, C] dots
-  (2C³ each: "subst" 15 + 4, "nested" 3 + 8, "stacked" 15 / 4 + 4), W and U 2C²(H + Hv);
+  `GB_rr` adds the re-reads the grid implies (k per value head, per pair of them with
+  `intra_pairs`; w / k per state tile of `block_hv_state` value features, q / k per output
+  tile): L2 absorbs part of those.
+- `GFLOP`: the matmuls as the kernel runs them: intra `K Kᵀ` 2C²H (once per pair with
+  `intra_pairs`), the solve's [C, C] dots (2C³ each: "subst" 15 + 4, "nested" 3 + 8, "stacked"
+  15 / 4 + 4, `intra_pairs` 15 / 16 + 4), W and U 2C²(H + Hv);
   state `W S` and `Kᵀ V_new` 4CH·Hv; output `Q Kᵀ` 2C²H per value tile, `Q S` 2CH·Hv,
   `P V_new` 2C²Hv; per chunk and value head.
 - `TB/s` = GB / ms and `TFLOP/s` = GFLOP / ms: compare with the copy bandwidth (~3 TB/s on an
@@ -51,7 +53,8 @@ CASES = ((1, 32768), (8, 4096))
 HEADS = dict(nk=16, nv=32, h=128, hv=128)
 QUICK_CASES = ((1, 130), (2, 64))
 QUICK_HEADS = dict(nk=1, nv=2, h=16, hv=32)
-SOLVE_DOTS = {"subst": 15 + 4, "subst_hoist": 15 + 4, "nested": 3 + 4 + 4, "stacked": 15 / 4 + 4}
+SOLVE_DOTS = {"subst": 15 + 4, "subst_hoist": 15 + 4, "nested": 3 + 4 + 4, "stacked": 15 / 4 + 4,
+              "pairs": 15 / 16 + 4}  # `intra_pairs`: 15 steps on the four 16 x 16 blocks only
 # `--variants`: changes on top of each case's `tc.default_config(B, Nv, Hv, nk=Nk)` (B1: fused,
 # 32-wide state slices, 4 warps, value-head-pair intra programs; B8: also the gates loaded a
 # chunk ahead). Byte / latency reasoning: the comment above `triton_chunk.default_config`.
@@ -141,7 +144,9 @@ def cost(b: int, t: int, *, nk: int, nv: int, h: int, hv: int, config: tc.Config
     q_read = (fuse and not qk) or qn
     intra += (k_once if q_read else 0) + (k_once if qn else 0)  # q read, queries written
     intra += p_bytes if fuse and not qk else 0  # P written
-    intra_rr = intra - k_once + k_heads + (k_heads - k_once if q_read else 0)
+    # k (and q) read per value head, or per pair of them with `intra_pairs`
+    k_intra = k_heads // 2 if config.intra_pairs else k_heads
+    intra_rr = intra - k_once + k_intra + (k_intra - k_once if q_read else 0)
     state = k_once + n_tok * nv * (h + hv) * inter + gcum  # k, w, u, gcum
     state += state_bytes * inter + n_tok * nv * hv * inter + b * nv * h * hv * f32  # hbuf, v_new
     state += b * nv * h * hv * f32 if has_init else 0
@@ -156,14 +161,17 @@ def cost(b: int, t: int, *, nk: int, nv: int, h: int, hv: int, config: tc.Config
     if fuse:
         out = out_rr = 0
     heads = chunks * nv
+    per_kk = 2 if config.intra_pairs else 1  # value heads sharing one K Kᵀ (and Q Kᵀ)
+    solve = SOLVE_DOTS["pairs" if config.intra_pairs else config.solve]
     flops = dict(
-        intra=heads * (2 * c * c * h + SOLVE_DOTS[config.solve] * 2 * c**3 + 2 * c * c * (h + hv)),
+        intra=heads * (2 * c * c * h / per_kk + solve * 2 * c**3 + 2 * c * c * (h + hv)),
         state=heads * 4 * c * h * hv,
         output=heads * (tiles_out * 2 * c * c * h + 2 * c * h * hv + 2 * c * c * hv),
     )
     if fuse:  # Q Kᵀ once in the intra kernel (per value tile in the state kernel with
         # qk_in_state), Q S and P V_new in the state kernel
-        flops["intra" if not qk else "state"] += heads * 2 * c * c * h * (tiles_state if qk else 1)
+        flops["intra" if not qk else "state"] += heads * 2 * c * c * h * (tiles_state if qk
+                                                                          else 1 / per_kk)
         flops["state"] += heads * (2 * c * h * hv + 2 * c * c * hv)
         flops["output"] = 0
     return {name: dict(GB=gb(by), GB_rr=gb(rr), GFLOP=flops[name] / 1e9) for name, by, rr in

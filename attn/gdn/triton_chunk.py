@@ -302,6 +302,15 @@ def _store_rows(ptr, start, r, I32: tl.constexpr, valid, head, offs, mask, x, NV
 
 
 @triton.jit
+def _head_gates(g_ptr, beta_ptr, start, r, I32: tl.constexpr, valid, head, NV: tl.constexpr):
+    """β and G `[BT]` (chunk-local cumulative sum of g; padding adds 0) of value head `head`."""
+    beta = tl.load(_col(beta_ptr, start, r, I32, head, NV), mask=valid, other=0.0).to(tl.float32)
+    gc = tl.cumsum(tl.load(_col(g_ptr, start, r, I32, head, NV), mask=valid,
+                           other=0.0).to(tl.float32), axis=0)
+    return beta, gc
+
+
+@triton.jit
 def _intra_kernel(
     q_ptr,  # [N_TOK, NK, H] (read if FUSE)
     k_ptr,  # [N_TOK, NK, H]
@@ -357,9 +366,7 @@ def _intra_kernel(
     valid = r < n
 
     k = _load_keys(k_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
-    beta = tl.load(_col(beta_ptr, start, r, I32, head, NV), mask=valid, other=0.0).to(tl.float32)
-    gc = tl.cumsum(tl.load(_col(g_ptr, start, r, I32, head, NV), mask=valid,
-                           other=0.0).to(tl.float32), axis=0)  # G, chunk-local; padding adds 0
+    beta, gc = _head_gates(g_ptr, beta_ptr, start, r, I32, valid, head, NV)
     tl.store(_col(gcum_ptr, start, r, I32, head, NV), gc, mask=valid)
     if STORE_KN:  # by the first value head of each key head
         _store_rows(kn_ptr, start, r, I32, valid & (head % (NV // NK) == 0), kh, offs_h, mask_h,
@@ -456,8 +463,7 @@ def _pair_subst_blocks(a0, a1, SB: tl.constexpr, BT: tl.constexpr, F32: tl.const
 
 
 @triton.jit
-def _pair_merge(a0, a1, d0, d1, r, INNER: tl.constexpr, F32: tl.constexpr,
-                            LP: tl.constexpr):
+def _pair_merge(a0, a1, d0, d1, r, INNER: tl.constexpr, F32: tl.constexpr, LP: tl.constexpr):
     """`_block_merge` on two matrices, dot by dot interleaved (two independent chains)."""
     outer = (r[:, None] // (4 * INNER)) == (r[None, :] // (4 * INNER))
     off = outer & ((r[:, None] // INNER) != (r[None, :] // INNER))
@@ -469,15 +475,6 @@ def _pair_merge(a0, a1, d0, d1, r, INNER: tl.constexpr, F32: tl.constexpr,
     m0 = _sdot(eye - nil0, eye + sq0, F32, LP)
     m1 = _sdot(eye - nil1, eye + sq1, F32, LP)
     return _sdot(m0, d0, F32, LP), _sdot(m1, d1, F32, LP)
-
-
-@triton.jit
-def _pair_gates(g_ptr, beta_ptr, start, r, I32: tl.constexpr, valid, head, NV: tl.constexpr):
-    """β and G `[BT]` of value head `head`, as `_intra_kernel` makes them."""
-    beta = tl.load(_col(beta_ptr, start, r, I32, head, NV), mask=valid, other=0.0).to(tl.float32)
-    gc = tl.cumsum(tl.load(_col(g_ptr, start, r, I32, head, NV), mask=valid,
-                           other=0.0).to(tl.float32), axis=0)
-    return beta, gc
 
 
 @triton.jit
@@ -548,8 +545,8 @@ def _intra_pair_kernel(
     k = _load_keys(k_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
     if FUSE or STORE_QN:  # loaded once for both (`_intra_kernel` loads it twice)
         q = _load_keys(q_ptr, start, r, I32, valid, kh, offs_h, mask_h, EPS, L2NORM, NK, H)
-    beta0, gc0 = _pair_gates(g_ptr, beta_ptr, start, r, I32, valid, h0, NV)
-    beta1, gc1 = _pair_gates(g_ptr, beta_ptr, start, r, I32, valid, h1, NV)
+    beta0, gc0 = _head_gates(g_ptr, beta_ptr, start, r, I32, valid, h0, NV)
+    beta1, gc1 = _head_gates(g_ptr, beta_ptr, start, r, I32, valid, h1, NV)
     tl.store(_col(gcum_ptr, start, r, I32, h0, NV), gc0, mask=valid)
     tl.store(_col(gcum_ptr, start, r, I32, h1, NV), gc1, mask=valid)
     first = valid & (h0 % (NV // NK) == 0)  # the key head's first pair stores its keys
@@ -589,9 +586,20 @@ def _intra_pair_kernel(
 
 
 @triton.jit
-def _state_chunk(c, seq, first, cstart_ptr, clen_ptr, T_ROW: tl.constexpr, BT: tl.constexpr):
-    """First token and length of chunk `c` of the program's sequence (`_state_kernel`'s)."""
-    if T_ROW:
+def _state_chunk(c, seq, first, cstart_ptr, clen_ptr, T_ROW: tl.constexpr, BT: tl.constexpr,
+                 count=0, AHEAD: tl.constexpr = False):
+    """First token and length of chunk `c` of the program's sequence (`_state_kernel`'s).
+    AHEAD (the loads a chunk ahead, which ask for the chunk after the last): n = 0 from chunk
+    `count` on, the table loads masked."""
+    if AHEAD:
+        ok = c < count
+        if T_ROW:
+            start = seq * T_ROW + c * BT
+            n = tl.where(ok, tl.minimum(T_ROW - c * BT, BT), 0)
+        else:
+            start = tl.load(cstart_ptr + first + c, mask=ok, other=0)
+            n = tl.load(clen_ptr + first + c, mask=ok, other=0)
+    elif T_ROW:
         start = seq * T_ROW + c * BT
         n = tl.minimum(T_ROW - c * BT, BT)
     else:
@@ -610,32 +618,16 @@ def _rows(ptr, start, n, r, I32: tl.constexpr, head, offs, mask, NH: tl.constexp
 
 
 @triton.jit
-def _gates(gcum_ptr, start, n, r, I32: tl.constexpr, head, NV: tl.constexpr):
-    """G `[BT]` and G_C (the chunk's last) of one chunk of n >= 1 tokens."""
+def _gates(gcum_ptr, start, n, r, I32: tl.constexpr, head, NV: tl.constexpr,
+           AHEAD: tl.constexpr = False):
+    """G `[BT]` and G_C (the chunk's last) of one chunk of n >= 1 tokens (AHEAD: n >= 0, zeros
+    for none)."""
     gc = tl.load(_col(gcum_ptr, start, r, I32, head, NV), mask=r < n, other=0.0)
-    g_last = tl.load(gcum_ptr + (start + n - 1).to(tl.int64) * NV + head)
-    return gc, g_last
-
-
-@triton.jit
-def _chunk_of(c, count, seq, first, cstart_ptr, clen_ptr, T_ROW: tl.constexpr, BT: tl.constexpr):
-    """`_state_chunk` for the loads a chunk ahead: n = 0 from chunk `count` on (the table loads
-    masked: the loop asks for the chunk after its last)."""
-    ok = c < count
-    if T_ROW:
-        start = seq * T_ROW + c * BT
-        n = tl.where(ok, tl.minimum(T_ROW - c * BT, BT), 0)
+    if AHEAD:
+        g_last = tl.load(gcum_ptr + (start + n - 1).to(tl.int64) * NV + head, mask=n > 0,
+                         other=0.0)
     else:
-        start = tl.load(cstart_ptr + first + c, mask=ok, other=0)
-        n = tl.load(clen_ptr + first + c, mask=ok, other=0)
-    return start, n
-
-
-@triton.jit
-def _gates_of(start, n, gcum_ptr, r, I32: tl.constexpr, head, NV: tl.constexpr):
-    """`_gates` of a chunk of n >= 0 tokens (zeros for none)."""
-    gc = tl.load(_col(gcum_ptr, start, r, I32, head, NV), mask=r < n, other=0.0)
-    g_last = tl.load(gcum_ptr + (start + n - 1).to(tl.int64) * NV + head, mask=n > 0, other=0.0)
+        g_last = tl.load(gcum_ptr + (start + n - 1).to(tl.int64) * NV + head)
     return gc, g_last
 
 
@@ -739,9 +731,10 @@ def _state_loop(s, k_ptr, w_ptr, u_ptr, gcum_ptr, cstart_ptr, clen_ptr, q_ptr, p
     GATES_AHEAD / U_AHEAD load the next chunk's gates / U rows into registers during this
     one's step."""
     if GATES_AHEAD or U_AHEAD:
-        start_next, n_next = _chunk_of(0, count, seq, first, cstart_ptr, clen_ptr, T_ROW, BT)
+        start_next, n_next = _state_chunk(0, seq, first, cstart_ptr, clen_ptr, T_ROW, BT, count,
+                                          True)
         if GATES_AHEAD:
-            gc_next, g_last_next = _gates_of(start_next, n_next, gcum_ptr, r, I32, head, NV)
+            gc_next, g_last_next = _gates(gcum_ptr, start_next, n_next, r, I32, head, NV, True)
         if U_AHEAD:
             u_next = _rows(u_ptr, start_next, n_next, r, I32, head, offs_v, mask_v, NV, HV)
     for c in range(0, count):
@@ -750,11 +743,12 @@ def _state_loop(s, k_ptr, w_ptr, u_ptr, gcum_ptr, cstart_ptr, clen_ptr, q_ptr, p
             k_ptr, w_ptr, u_ptr, gcum_ptr, q_ptr, p_ptr, start, n, r, I32, head, kh, offs_h,
             mask_h, offs_v, mask_v, FUSE, QK, NK, NV, H, HV, BT, not GATES_AHEAD, not U_AHEAD)
         if GATES_AHEAD or U_AHEAD:
-            start_next, n_next = _chunk_of(c + 1, count, seq, first, cstart_ptr, clen_ptr, T_ROW,
-                                           BT)
+            start_next, n_next = _state_chunk(c + 1, seq, first, cstart_ptr, clen_ptr, T_ROW, BT,
+                                              count, True)
         if GATES_AHEAD:
             gc, g_last = gc_next, g_last_next
-            gc_next, g_last_next = _gates_of(start_next, n_next, gcum_ptr, r, I32, head, NV)
+            gc_next, g_last_next = _gates(gcum_ptr, start_next, n_next, r, I32, head, NV,
+                                          True)
         if U_AHEAD:
             u = u_next
             u_next = _rows(u_ptr, start_next, n_next, r, I32, head, offs_v, mask_v, NV, HV)

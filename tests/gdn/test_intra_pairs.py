@@ -204,6 +204,29 @@ def test_profile_pairs_variants_quick():
         assert r["rel_err_o"] <= PAIR_TOL and r["rel_err_final"] <= PAIR_TOL and r["ms"] > 0, r
 
 
+def test_profile_cost_counts_pairs():
+    """`profile_gdn_chunk.cost` with `intra_pairs`: the same HBM bytes (the outputs are the
+    per-head kernel's), k / q re-read once per pair instead of per value head, K Kᵀ and the
+    fused Q Kᵀ once per pair, and the solve on the diagonal blocks (15 steps of four 16 x 16
+    blocks instead of 15 [C, C] x [C, 16] ones); the state kernel's counts unchanged."""
+    from experiments import profile_gdn_chunk as prof
+
+    b, t, c, heads = 2, 128, tc.CHUNK, dict(nk=2, nv=4, h=16, hv=32)
+    base = dataclasses.replace(tc.default_config(b, 4, 32), store_kn=True)  # fused, store_qn
+    per_head = prof.cost(b, t, config=base, **heads)
+    pairs = prof.cost(b, t, config=dataclasses.replace(base, intra_pairs=True), **heads)
+    heads_chunks = b * (t // c) * heads["nv"]
+    k_heads = b * t * heads["nv"] * heads["h"] * 2  # bf16 k per value head
+    assert pairs["intra"]["GB"] == per_head["intra"]["GB"]
+    assert (per_head["intra"]["GB_rr"] - pairs["intra"]["GB_rr"]) * 1e9 == pytest.approx(
+        k_heads)  # k and q: half of the per-head re-reads each
+    kk_qk = heads_chunks * 2 * c * c * heads["h"] / 2 * 2  # K Kᵀ and Q Kᵀ, half of them
+    solve = heads_chunks * (15 / 4 - 15 / 16) * 2 * c**3
+    assert (per_head["intra"]["GFLOP"] - pairs["intra"]["GFLOP"]) * 1e9 == pytest.approx(
+        kk_qk + solve)
+    assert pairs["state"] == per_head["state"]
+
+
 def test_pairs_compile_for_sm90():
     """Triton's compiler (not the interpreter) on the pair kernel at the model's heads, bf16,
     4 and 8 warps: `profile_gdn_chunk --ptxas` (sm_90a, Triton's bundled ptxas, no GPU)."""
