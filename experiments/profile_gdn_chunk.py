@@ -92,6 +92,13 @@ VARIANTS = {
     "u-ahead": dict(state_u_ahead=True),
     "no-u": dict(state_u_ahead=False),
     "u-gates": dict(state_u_ahead=True, state_gates_ahead=True),
+    # Session 8: the state loop three chunks deep (ncu source counters at B1 T32K: Triton issues
+    # the next chunk's async copies at the end of the step, so with two stages each step starts
+    # by waiting for them, 28% of the kernel's warp samples).
+    "stages3-v64": dict(state_stages=3, block_hv_state=64),
+    "stages3-no-u": dict(state_stages=3, state_u_ahead=False),
+    "stages3-gates": dict(state_stages=3, state_gates_ahead=True),
+    "stages3-no-gates": dict(state_stages=3, state_gates_ahead=False),
 }
 
 
