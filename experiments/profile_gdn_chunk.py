@@ -99,6 +99,14 @@ VARIANTS = {
     "stages3-no-u": dict(state_stages=3, state_u_ahead=False),
     "stages3-gates": dict(state_stages=3, state_gates_ahead=True),
     "stages3-no-gates": dict(state_stages=3, state_gates_ahead=False),
+    # At many chains (B8): B1's state kernel (P from the intra kernel, no q kᵀ in the state
+    # step, no loads ahead in registers) three stages deep, one program per SM.
+    "p-stages3": dict(qk_in_state=False, state_stages=3, state_gates_ahead=False,
+                      state_u_ahead=False, intra_head_major=True),
+    "p-stages3-v64": dict(qk_in_state=False, state_stages=3, state_gates_ahead=False,
+                          state_u_ahead=False, intra_head_major=True, block_hv_state=64),
+    "p-stages3-u": dict(qk_in_state=False, state_stages=3, state_gates_ahead=False,
+                        state_u_ahead=True, intra_head_major=True),
 }
 
 

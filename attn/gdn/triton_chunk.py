@@ -1076,37 +1076,55 @@ NUM_SMS = 132  # H100 / H200 SXM
 # `store_qn` (115 KB, 242 registers) may fit two programs per SM (2 x 116 KB of 228 KB).
 
 
+# Session 8 (ncu source counters, NOTES.md): Triton issues the state step's async copies for the
+# next chunk at the end of the step, after its dots, so with two stages every step opened by
+# waiting out a whole copy latency (28% of the kernel's warp samples at B1 T32K). Three stages put
+# them two steps ahead: state 1.16 -> 0.75 ms at B1 T32K. Three stages hold one program per SM,
+# so a step's time is all a wave costs, and the value-slice width trades the number of waves
+# against the step: a 64-wide step takes ~1.36x a 32-wide one (1.49 / 2.02 us, H100), and at B8
+# T4K 32-wide slices fill 7.8 waves of 64 steps against 3.9 at 64 (state 0.74 vs 0.50 ms; the
+# two-stage, two-programs-per-SM form with q kᵀ in the step and the gates ahead: 0.90).
+_STEP_COST = {32: 1.0, 64: 1.36}  # relative time of one state step by slice width (H100)
+_SMEM_LIMIT = 232448  # bytes of shared memory one program may take (H100 / H200)
+
+
+def state_smem(h: int, hv_slice: int, itemsize: int, stages: int) -> int:
+    """Shared memory (bytes, a slight over-estimate) of the fused state kernel as `default_config`
+    launches it: per stage the W, K, Q rows, P and the U slice of one chunk and its float32
+    gates; the state and V_new staged for the dots. ptxas for sm_90a, bf16, H = 128: 184,840 B at
+    32-wide slices and three stages (this gives 197,376 with U pipelined), 213,512 at 64-wide."""
+    block_h = max(16, triton.next_power_of_2(h))
+    per_stage = itemsize * CHUNK * (3 * block_h + CHUNK + hv_slice) + 4 * CHUNK
+    return stages * per_stage + itemsize * hv_slice * (block_h + CHUNK)
+
+
 def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1, *,
-                   nk: int | None = None) -> Config:
-    """`Config()` with the output fused into the state kernel, whose tile follows the number of
-    (sequence, value head) chains it can run side by side. H100, Nk16 Nv32 H = Hv = 128, bf16
-    (`experiments.profile_gdn_chunk`, NOTES.md sessions 4, 5 and 7), whole op:
+                   nk: int | None = None, h: int = 128, itemsize: int = 2) -> Config:
+    """`Config()` with the output fused into the state kernel, whose loop runs three stages deep
+    where that fits (`state_smem`; the float32 path keeps two), with the value-slice width that
+    makes the fewest waves of steps (`_STEP_COST`, one program per SM) and stored normalised
+    queries. H100, Nk16 Nv32 H = Hv = 128, bf16, whole op (`experiments.profile_gdn_chunk`,
+    NOTES.md sessions 4-8): B1 T32K (32 chains: 32-wide slices, 128 programs) 1.45 ms, B8 T4K
+    (256 chains: 64-wide, 512 programs) 1.23 ms, against session 7's 1.84 / 1.61 (two stages;
+    at B8 64-wide slices with q kᵀ in the step and the gates ahead).
 
-    - few chains (B1 T32K, 32): 32-feature state tiles on 4 warps (session 4: 2.41 ms; 8 warps
-      2.74, 64-feature tiles 2.97), plus stored normalised queries and both head-major grids
-      (session 5: 2.445 -> 2.258 ms; computing q kᵀ in the state kernel 2.62: it lengthens the
-      sequential chain).
-    - enough chains for two 64-feature programs per SM (B8 T4K, 256): session 4 took 64-feature
-      tiles on 8 warps (2.05-2.12 ms); session 5's 32-feature tiles on 4 warps with q kᵀ in the
-      state kernel, stored queries and the slice-major state grid run 1.935 ms against 2.119;
-      session 7: the gates loaded a chunk ahead, state 0.986 -> 0.935-0.950 ms (at B1 slower:
-      1.30 -> 1.38-1.40). U's rows a chunk ahead: at B1 state 1.281 -> 1.198 ms (taken), at B8
-      0.906 -> 0.961 (not).
-    - both, where `nk` is given and each key head has an even number of value heads: one intra
-      program per value-head pair solving on the diagonal blocks (`intra_pairs`;
-      session 7: intra 1.01-1.02 -> 0.73-0.75 ms at B1, 0.95 -> 0.71 at B8; whole op 2.23-2.24 ->
-      1.99 and 1.89-1.91 -> 1.59-1.65 ms).
-
-    The head-major grids hold up to 65535 chunks / sequences (`num_chunks`: an upper bound)."""
+    Where `nk` is given and each key head has an even number of value heads, one intra program
+    per value-head pair solving on the diagonal blocks (`intra_pairs`; session 7: intra
+    1.01-1.02 -> 0.73-0.75 ms at B1, 0.95 -> 0.71 at B8). The head-major grids hold up to 65535
+    chunks / sequences (`num_chunks`: an upper bound). `h` and `itemsize` (of the intermediates:
+    4 on the float32 path) size the shared memory."""
     majors = dict(state_slice_major=num_seqs <= 65535, intra_head_major=num_chunks <= 65535)
     pairs = nk is not None and nv % nk == 0 and (nv // nk) % 2 == 0
-    intra = dict(intra_pairs=pairs)
-    if num_seqs * nv * triton.cdiv(hv, 64) >= 2 * NUM_SMS:
-        return Config(fuse_output=True, block_hv_state=32, state_warps=4, qk_in_state=True,
-                      store_qn=True, state_slice_major=majors["state_slice_major"],
-                      state_gates_ahead=True, **intra)
-    return Config(fuse_output=True, block_hv_state=32, state_warps=4, store_qn=True, **majors,
-                  state_u_ahead=True, **intra)
+
+    def waves(width):
+        return triton.cdiv(num_seqs * nv * triton.cdiv(hv, width), NUM_SMS) * _STEP_COST[width]
+
+    fits = [(waves(w), w, s) for s in (3, 2) for w in _STEP_COST
+            if state_smem(h, min(w, max(16, triton.next_power_of_2(hv))), itemsize, s)
+            <= _SMEM_LIMIT]
+    _, width, stages = min(fits, key=lambda f: (f[0], -f[2], f[1])) if fits else (0, 32, 2)
+    return Config(fuse_output=True, block_hv_state=width, state_warps=4, state_stages=stages,
+                  store_qn=True, intra_pairs=pairs, **majors)
 
 
 def kernel_options(config: Config) -> dict:
@@ -1173,12 +1191,12 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
     nv, hv = v.shape[2:]
     n_tok = bsz * t
     n_seq = bsz if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if config is None:
-        config = default_config(n_seq, nv, hv, num_chunks=triton.cdiv(n_tok, CHUNK) + n_seq,
-                                nk=nk)
-    scale = h**-0.5 if scale is None else scale
     f32 = all(x.dtype == jnp.float32 for x in (q, k, v))
     inter = jnp.float32 if f32 else v.dtype
+    if config is None:
+        config = default_config(n_seq, nv, hv, num_chunks=triton.cdiv(n_tok, CHUNK) + n_seq,
+                                nk=nk, h=h, itemsize=jnp.dtype(inter).itemsize)
+    scale = h**-0.5 if scale is None else scale
     cstart, clen, sfirst, scount = _chunk_tables(bsz, t, cu_seqlens)
     n_chunks = cstart.shape[0]
     has_init = initial_state is not None

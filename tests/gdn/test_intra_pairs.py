@@ -257,14 +257,9 @@ def test_pairs_compiled_on_gpu_at_model_dims(variant, b, varlen):
 
 def test_default_config_takes_pairs_only_for_even_ratios():
     """`default_config` turns on the pair kernel only where every key head has an even number of
-    value heads (it would raise otherwise), and only when told Nk; the loads a chunk ahead
-    where they measured faster (gates: many chains; U: few)."""
+    value heads (it would raise otherwise), and only when told Nk."""
     assert tc.default_config(1, 32, 128, nk=16).intra_pairs
     assert tc.default_config(8, 32, 128, nk=8).intra_pairs
     for nk in (32, None):  # Nv // Nk = 1, or Nk unknown
         assert not tc.default_config(1, 32, 128, nk=nk).intra_pairs
     assert not tc.default_config(1, 24, 128, nk=8).intra_pairs  # Nv // Nk = 3
-    assert tc.default_config(8, 32, 128, nk=16).state_gates_ahead  # many chains
-    assert not tc.default_config(1, 32, 128, nk=16).state_gates_ahead
-    assert tc.default_config(1, 32, 128, nk=16).state_u_ahead  # few chains only
-    assert not tc.default_config(8, 32, 128, nk=16).state_u_ahead
