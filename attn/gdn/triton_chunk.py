@@ -39,8 +39,10 @@ the other options' results in the interpreter): each state step's loads issued t
 the state kernel (`qk_in_state`), the normalised queries stored once (`store_qn`). Session 7:
 one intra program per pair of value heads (`intra_pairs`, `_intra_pair_kernel`: both heads'
 diagonal blocks solved as one batch), the state step's non-dot loads (gates, U) a chunk ahead
-(`state_gates_ahead`, `state_u_ahead`). `default_config` turns on the combinations that measured
-fastest; bytes and latencies per kernel in the comment above it.
+(`state_gates_ahead`, `state_u_ahead`). Session 8: the state loop three stages deep (Triton
+issues a step's copies for the next chunk at the step's end, after its dots) and the value-slice
+width chosen by waves x step time. `default_config` turns on the combinations that measured
+fastest; bytes and latencies per kernel in the comments above it.
 
 Supports: any B, T, Nk | Nv, H and Hv (padded to powers of two >= 16 and masked), initial and
 final states `[Ns, Nv, H, Hv]` float32, varlen with empty sequences, gradients (the XLA
