@@ -25,6 +25,34 @@ import jax
 import jax.numpy as jnp
 
 
+def parse_fields(cls, text: str):
+    """`"name=value,..."` -> `cls(...)` for a dataclass of int / bool / str / float fields (the
+    type of each field's default; a bool as 0 / 1 / true / false). ValueError names a bad item."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kw = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"{item!r}: expected name=value with name in {sorted(fields)}")
+        kind = type(fields[name].default)
+        if kind is bool:
+            if value.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(f"{item!r}: a boolean is 0 / 1 / true / false")
+            kw[name] = value.lower() in ("1", "true")
+        else:
+            kw[name] = kind(value)
+    return cls(**kw)
+
+
+def describe_fields(config) -> str:
+    """The fields of a dataclass instance that differ from its class's defaults (the inverse of
+    `parse_fields`), or "default"."""
+    base = type(config)()
+    diff = [f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)
+            if getattr(config, f.name) != getattr(base, f.name)]
+    return ",".join(diff) or "default"
+
+
 def time_ms(fn: Callable, *args, iters: int = 10, trials: int = 5, warmup: int = 2,
             budget_s: float | None = None) -> float:
     """Median milliseconds per call of `fn(*args)`.

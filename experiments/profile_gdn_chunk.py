@@ -112,28 +112,12 @@ VARIANTS = {
 
 def parse_config(text: str) -> tc.Config:
     """`"name=value,..."` -> `Config` (int / bool / str by the field's default; bool as 0/1)."""
-    fields = {f.name: f for f in dataclasses.fields(tc.Config)}
-    kw = {}
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or name not in fields:
-            raise ValueError(f"{item!r}: expected name=value with name in {sorted(fields)}")
-        kind = type(fields[name].default)
-        if kind is bool:
-            if value.lower() not in ("0", "1", "true", "false"):
-                raise ValueError(f"{item!r}: a boolean is 0 / 1 / true / false")
-            kw[name] = value.lower() in ("1", "true")
-        else:
-            kw[name] = kind(value)
-    return tc.Config(**kw)
+    return _bench.parse_fields(tc.Config, text)
 
 
 def describe(config: tc.Config) -> str:
     """The fields that differ from `Config()`, or "default"."""
-    base = tc.Config()
-    diff = [f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)
-            if getattr(config, f.name) != getattr(base, f.name)]
-    return ",".join(diff) or "default"
+    return _bench.describe_fields(config)
 
 
 def cost(b: int, t: int, *, nk: int, nv: int, h: int, hv: int, config: tc.Config,

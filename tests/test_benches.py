@@ -153,3 +153,17 @@ def test_sweep_scripts_run_on_cpu(argv, capsys):
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if " ms " in line or line.rstrip().endswith("ms")]
     assert lines and "failed" not in out, out
+
+
+def test_block_sparse_profile_runs_on_cpu(capsys):
+    """`experiments.profile_block_sparse --quick` (interpreter): the op, its lists, the kernel
+    per config and dense flash are timed; the kernel alone gives the op's output bit for bit."""
+    from experiments import profile_block_sparse as prof
+
+    rows = prof.main(["--quick", "--config", "index_ahead=2"])
+    assert [r["config"] for r in rows] == ["default", "index_ahead=2"]
+    assert all(r["same"] and r["kernel"] > 0 and r["lists"] > 0 for r in rows), rows
+    assert 0 < rows[0]["density"] <= 1 and rows[0]["steps"] > 0
+    assert "k+l/goal" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="no_such_field=1"):
+        prof.main(["--quick", "--config", "no_such_field=1"])

@@ -84,9 +84,16 @@ class Config:
     # Programs ordered KV head by KV head (siblings fastest); False: heads fastest (the module
     # docstring says why and what it measured).
     kv_head_major: bool = True
+    # Steps ahead at which the list walk loads the block index it will visit (1: the next
+    # step's, carried one step; 2: two steps ahead, two carried). The K / V copies the pipeliner
+    # issues `num_stages - 1` steps ahead need that step's index by then (session 8's ncu: the
+    # address arithmetic of those copies waits on the index load, ~3% of the warp samples).
+    index_ahead: int = 1
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_m", "block_n"))
+        if self.index_ahead not in (1, 2):
+            raise ValueError(f"index_ahead={self.index_ahead} must be 1 or 2")
 
 
 def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
@@ -142,16 +149,31 @@ def block_lists(
 
 
 @triton.jit
-def _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len,
+def _listed(blocks, i, SPB: tl.constexpr, SB: tl.constexpr):
+    """The listed block of step `i` of a list walk (clamped to the row: padding past `count`)."""
+    return tl.load(blocks + tl.minimum(i // SPB, SB - 1))
+
+
+@triton.jit
+def _visit(acc, l, m, j, j1, q, k_base, v_base, pos, blocks, i, kv_len,
            SCALE_LOG2: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
            SB: tl.constexpr, BS: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr):
+           BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr,
+           AHEAD: tl.constexpr):
     """Step `i` of a list walk: `BLOCK_N` keys, sub-step `i % (BS // BLOCK_N)` of the listed block
-    `j` (entry `i // (BS // BLOCK_N)`); MASKED applies the causal and length rules. Returns the
-    block of step `i + 1` too, loaded one step ahead (see the kernel)."""
+    `j` (entry `i // (BS // BLOCK_N)`); MASKED applies the causal and length rules. Loads the
+    block of step `i + AHEAD` (see the kernel) and returns the carried indices shifted by one:
+    `(j, j1)` are steps `i`, `i + 1` in, `i + 1`, `i + 2` out (AHEAD 2; with AHEAD 1 `j1` is
+    unused and passed through)."""
     SPB: tl.constexpr = BS // BLOCK_N  # steps per block
     start = tl.multiple_of(j * BS + (i % SPB) * BLOCK_N, BLOCK_N)
-    j_next = tl.load(blocks + tl.minimum((i + 1) // SPB, SB - 1))
+    far = _listed(blocks, i + AHEAD, SPB, SB)
+    if AHEAD == 1:
+        j_next = far
+        j_far = j1
+    else:
+        j_next = j1
+        j_far = far
     offs_n = tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
     offs_hv = tl.arange(0, BLOCK_HV)
@@ -170,7 +192,7 @@ def _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len,
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-    return acc, l, m_new, j_next
+    return acc, l, m_new, j_next, j_far
 
 
 @triton.jit
@@ -204,6 +226,7 @@ def _block_sparse_kernel(
     PRECISION: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     KV_HEAD_MAJOR: tl.constexpr = False,
+    AHEAD: tl.constexpr = 1,
 ):
     # The last query tiles (longest lists) first. Heads fastest: GQA siblings run together.
     # KV_HEAD_MAJOR: siblings fastest, then query tiles, then requests, then KV heads, so the
@@ -249,16 +272,25 @@ def _block_sparse_kernel(
     # across block boundaries (a nested loop over the BS // BLOCK_N steps of a block could only
     # overlap inside a block). The block index is loaded one step ahead and carried: a load of it
     # in the step itself makes it a second-level indirect load, for which Triton's pipeliner
-    # halves the K / V prefetch distance (seen in the sm_90 TTGIR at 3 stages).
+    # halves the K / V prefetch distance (seen in the sm_90 TTGIR at 3 stages). `AHEAD` (Config.
+    # index_ahead) 2 loads it two steps ahead, so it has a whole step to arrive.
     SPB: tl.constexpr = BS // BLOCK_N
-    j = tl.load(blocks)
+    j = _listed(blocks, 0, SPB, SB)
+    j1 = j  # the index of the step after, carried with AHEAD 2
+    if AHEAD == 2:
+        j1 = _listed(blocks, 1, SPB, SB)
     for i in tl.range(0, whole * SPB, warp_specialize=WARP_SPECIALIZE):  # seen whole: no mask
-        acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, SCALE_LOG2,
-                              K, H, HV, SB, BS, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
-    j = tl.load(blocks + tl.minimum(whole, SB - 1))
+        acc, l, m, j, j1 = _visit(acc, l, m, j, j1, q, k_base, v_base, pos, blocks, i, kv_len,
+                                  SCALE_LOG2, K, H, HV, SB, BS, False, BLOCK_N, BLOCK_H, BLOCK_HV,
+                                  PRECISION, AHEAD)
+    j = _listed(blocks, whole * SPB, SPB, SB)
+    j1 = j
+    if AHEAD == 2:
+        j1 = _listed(blocks, whole * SPB + 1, SPB, SB)
     for i in range(whole * SPB, count * SPB):  # the diagonal and the length tail: token masks
-        acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, SCALE_LOG2,
-                              K, H, HV, SB, BS, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+        acc, l, m, j, j1 = _visit(acc, l, m, j, j1, q, k_base, v_base, pos, blocks, i, kv_len,
+                                  SCALE_LOG2, K, H, HV, SB, BS, True, BLOCK_N, BLOCK_H, BLOCK_HV,
+                                  PRECISION, AHEAD)
 
     empty = (l == 0.0) | (toks >= q_len)
     safe_l = tl.where(empty, 1.0, l)
@@ -300,7 +332,7 @@ def _launch(q, k, v, blocks, count, whole, q_lengths, kv_lengths, *, scale, bloc
         BLOCK_HV=max(16, triton.next_power_of_2(hv)),
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8,
-        KV_HEAD_MAJOR=config.kv_head_major,
+        KV_HEAD_MAJOR=config.kv_head_major, AHEAD=config.index_ahead,
     )
 
 

@@ -120,6 +120,20 @@ def test_heads_fastest_order_is_bitwise_the_default(walk):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+# The block index loaded two steps ahead (`Config.index_ahead`): the same walks, bit for bit.
+@pytest.mark.parametrize("walk", list(WALKS))
+def test_index_two_steps_ahead_is_bitwise_the_default(walk):
+    bs, config = WALKS[walk]
+    ahead = dataclasses.replace(config, index_ahead=2)
+    q, k, v, modes, bm, lens = _problem(rng(), b=2, t=77, s=131, n=4, kh=2, bs=bs,
+                                        q_lengths=[77, 50], kv_lengths=[131, 97])
+    opts = dict(block_size=bs, sink_blocks=1, local_blocks=2, **lens)
+    got = kernel.block_sparse_attention(q, k, v, modes, bm, config=ahead, **opts)
+    base = kernel.block_sparse_attention(q, k, v, modes, bm, config=config, **opts)
+    for x, y in zip(got, base):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_seed_block_128_bf16_default_config():
     gen = rng()
     q, k, v, modes, bm, lens = _problem(gen, b=1, t=200, s=300, n=2, kh=1, bs=128, h=32, hv=32,
@@ -198,6 +212,8 @@ def test_config_validation():
         kernel.Config(num_warps=5)
     with pytest.raises(ValueError, match="num_stages"):
         kernel.Config(num_stages=0)
+    with pytest.raises(ValueError, match="index_ahead=3"):
+        kernel.Config(index_ahead=3)
 
 
 # GPU: the seed geometry (block 128), bf16, against the float32 reference.
@@ -207,7 +223,9 @@ def test_config_validation():
 GPU_CONFIGS = {"default": None, **{c: kernel.Config(**dict(zip(
     ("block_m", "block_n", "num_warps", "num_stages"), map(int, c.split("-")))))
     for c in ("128-64-8-3", "128-64-8-4", "128-128-8-2", "128-32-8-4", "64-64-4-3")},
-    "heads-fastest": kernel.Config(kv_head_major=False)}
+    "heads-fastest": kernel.Config(kv_head_major=False),
+    "index-ahead-2": kernel.Config(index_ahead=2),
+    "index-ahead-2-ws": kernel.Config(index_ahead=2, warp_specialize=True)}
 
 
 @pytest.mark.gpu
