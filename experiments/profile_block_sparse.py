@@ -1,10 +1,11 @@
 """Where the block-sparse prefill's time goes: the op as `bench_prefill` times it, its XLA part
-(the effective block mask and the per-row block lists) alone, and the kernel alone on lists made
-beforehand (for each `--config`), next to our dense flash at the same length (the goal's anchor).
+(the effective block mask and the per-row block lists; `lists` as the op makes them, `lis_xla`
+the XLA form the CPU uses) alone, and the kernel alone on lists made beforehand (for each
+`--config`), next to our dense flash at the same length (the goal's anchor).
 
     python -m experiments.profile_block_sparse                      # S64K, density 0.1 (GPU)
     python -m experiments.profile_block_sparse --seqs 65536,131072 --density 0.1
-    python -m experiments.profile_block_sparse --config index_ahead=2 --config warp_specialize=1
+    python -m experiments.profile_block_sparse --config warp_specialize=1 --config num_stages=2
     python -m experiments.profile_block_sparse --quick              # tiny, CPU interpreter
 
 Shapes and masks are `bench_prefill`'s block-sparse rows' (N32 / K8 / H128 bf16, blocks of 128,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 
@@ -51,11 +53,11 @@ def parts(s: int, density: float, configs: list[str], *, n: int, kh: int, h: int
     op = jax.jit(lambda q, k, v, mask: block_sparse_attention(
         q, k, v, modes, mask, block_size=bs, implementation="triton")[0])
 
-    @jax.jit
-    def lists(mask):
+    @functools.partial(jax.jit, static_argnames="use_kernel")
+    def lists(mask, use_kernel=None):
         eff = sparse_ref.effective_block_mask(modes, mask, num_q_tokens=s, num_kv_tokens=s,
                                               block_size=bs)
-        return sparse_triton.block_lists(eff, lengths, lengths, bs)
+        return sparse_triton.block_lists(eff, lengths, lengths, bs, use_kernel=use_kernel)
 
     dense = jax.jit(lambda q, k, v: dense_triton.attention(q, k, v)[0])
     blocks, count, whole = lists(mask)
@@ -64,6 +66,8 @@ def parts(s: int, density: float, configs: list[str], *, n: int, kh: int, h: int
     expected = op(q, k, v, mask)
     shared = dict(s=s, density=got, op=_bench.time_ms(op, q, k, v, mask, **timing),
                   lists=_bench.time_ms(lists, mask, **timing),
+                  lists_xla=_bench.time_ms(functools.partial(lists, use_kernel=False), mask,
+                                           **timing),
                   dense=_bench.time_ms(dense, q, k, v, **timing))
     rows = []
     for text in configs:
@@ -85,13 +89,13 @@ def parts(s: int, density: float, configs: list[str], *, n: int, kh: int, h: int
 def format_row(r: dict) -> str:
     ideal = r["density"] * r["dense"]
     return (f"S{r['s']:<7d} {r['config'][:34]:34s} {r['density']:.4f} {r['op']:8.3f} "
-            f"{r['lists']:7.3f} {r['kernel']:8.3f} {r['dense']:9.3f} {r['op'] / ideal:7.3f} "
-            f"{(r['kernel'] + r['lists']) / ideal:9.3f} {r['steps']:8d} {r['same']!s:5s} "
-            f"{r['err']:.1e}")
+            f"{r['lists']:7.3f} {r['lists_xla']:7.3f} {r['kernel']:8.3f} {r['dense']:9.3f} "
+            f"{r['op'] / ideal:7.3f} {(r['kernel'] + r['lists']) / ideal:9.3f} "
+            f"{r['steps']:8d} {r['same']!s:5s} {r['err']:.1e}")
 
 
-HEADER = ("S        config                             density       op   lists   kernel     "
-          "dense op/goal k+l/goal    steps same  rel_err")
+HEADER = ("S        config                             density       op   lists lis_xla   kernel"
+          "     dense op/goal k+l/goal    steps same  rel_err")
 
 
 def main(argv=None) -> list[dict]:
@@ -99,8 +103,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seqs", default=None, help="comma list of lengths (default 65536)")
     p.add_argument("--density", type=float, default=0.1)
     p.add_argument("--config", action="append", default=[],
-                   help="kernel Config fields changed from default_config's, e.g. index_ahead=2 "
-                        "(repeatable: a row each, after the default's)")
+                   help="kernel Config fields changed from default_config's, e.g. "
+                        "warp_specialize=1 (repeatable: a row each, after the default's)")
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--quick", action="store_true", help="tiny shapes, CPU interpreter")
     p.add_argument("--out", default=None, help="ignored (the .ci/gpu-check convention)")

@@ -160,8 +160,8 @@ def test_block_sparse_profile_runs_on_cpu(capsys):
     per config and dense flash are timed; the kernel alone gives the op's output bit for bit."""
     from experiments import profile_block_sparse as prof
 
-    rows = prof.main(["--quick", "--config", "index_ahead=2"])
-    assert [r["config"] for r in rows] == ["default", "index_ahead=2"]
+    rows = prof.main(["--quick", "--config", "num_stages=2"])
+    assert [r["config"] for r in rows] == ["default", "num_stages=2"]
     assert all(r["same"] and r["kernel"] > 0 and r["lists"] > 0 for r in rows), rows
     assert 0 < rows[0]["density"] <= 1 and rows[0]["steps"] > 0
     assert "k+l/goal" in capsys.readouterr().out

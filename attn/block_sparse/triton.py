@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from attn import _checks
-from attn._harness import triton_call
+from attn._harness import on_gpu, triton_call
 from attn.block_sparse import reference
 from attn.dense.triton import _load, _masked_softmax_step, _whole_softmax_step
 from attn.dense.triton_paged import with_reference_gradient
@@ -84,16 +84,9 @@ class Config:
     # Programs ordered KV head by KV head (siblings fastest); False: heads fastest (the module
     # docstring says why and what it measured).
     kv_head_major: bool = True
-    # Steps ahead at which the list walk loads the block index it will visit (1: the next
-    # step's, carried one step; 2: two steps ahead, two carried). The K / V copies the pipeliner
-    # issues `num_stages - 1` steps ahead need that step's index by then (session 8's ncu: the
-    # address arithmetic of those copies waits on the index load, ~3% of the warp samples).
-    index_ahead: int = 1
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_m", "block_n"))
-        if self.index_ahead not in (1, 2):
-            raise ValueError(f"index_ahead={self.index_ahead} must be 1 or 2")
 
 
 def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
@@ -109,7 +102,8 @@ def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
 
 
 def block_lists(
-    eff: jax.Array, q_lengths: jax.Array, kv_lengths: jax.Array, block_size: int
+    eff: jax.Array, q_lengths: jax.Array, kv_lengths: jax.Array, block_size: int, *,
+    use_kernel: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per (request, head, query tile): selected key blocks ascending, count, whole-block count.
 
@@ -117,12 +111,20 @@ def block_lists(
       eff: `[B, N, Tb, Sb]` bool, `reference.effective_block_mask`.
       q_lengths, kv_lengths: `[B]` int32.
       block_size: the block size.
+      use_kernel: `_block_lists_kernel` (one Triton pass: each row read once, its lists written
+        once) instead of the XLA formulation; default: on a GPU. Both give the same arrays.
 
     Returns:
       `(blocks [B, N, Tb, Sb] int32, count [B, N, Tb] int32, whole [B, N, Tb] int32)`:
       `blocks[..., :count]` are the selected blocks in ascending order (the rest is padding), and
       the first `whole` of them are seen whole by every query of the tile (no mask needed).
     """
+    if on_gpu() if use_kernel is None else use_kernel:
+        return _block_lists_triton(eff, q_lengths, kv_lengths, block_size)
+    return _block_lists_xla(eff, q_lengths, kv_lengths, block_size)
+
+
+def _block_lists_xla(eff, q_lengths, kv_lengths, block_size):
     sb = eff.shape[-1]
     j = jnp.arange(sb, dtype=jnp.int32)
     count = jnp.sum(eff, axis=-1, dtype=jnp.int32)
@@ -148,32 +150,79 @@ def block_lists(
     return blocks, count, whole
 
 
-@triton.jit
-def _listed(blocks, i, SPB: tl.constexpr, SB: tl.constexpr):
-    """The listed block of step `i` of a list walk (clamped to the row: padding past `count`)."""
-    return tl.load(blocks + tl.minimum(i // SPB, SB - 1))
+
+_LIST_ROWS = 8  # rows of the block mask per program of `_block_lists_kernel`
 
 
 @triton.jit
-def _visit(acc, l, m, j, j1, q, k_base, v_base, pos, blocks, i, kv_len,
+def _block_lists_kernel(
+    eff_ptr,  # [ROWS_ALL, SB] int8 effective block mask, rows (b, n, r)
+    q_len_ptr,  # [B] int32
+    kv_len_ptr,  # [B] int32
+    blocks_ptr,  # [ROWS_ALL, SB] int32, out
+    count_ptr,  # [ROWS_ALL] int32, out
+    whole_ptr,  # [ROWS_ALL] int32, out
+    ROWS_ALL: tl.constexpr,
+    N: tl.constexpr,
+    TB: tl.constexpr,
+    SB: tl.constexpr,
+    BS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """`_block_lists_xla` for `ROWS` rows: the same stable partition (selected blocks first,
+    then the rest, both ascending) as one scatter of each row's permutation, and the counts."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    j = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    row_ok = rows < ROWS_ALL
+    ok = row_ok[:, None] & (j < SB)[None, :]
+    base = rows.to(tl.int64)[:, None] * SB
+    sel = tl.load(eff_ptr + base + j[None, :], mask=ok, other=0).to(tl.int32)
+    cs = tl.cumsum(sel, axis=1)
+    count = tl.sum(sel, axis=1)  # [ROWS]
+    slot = tl.where(sel != 0, cs - 1, count[:, None] + j[None, :] - cs)
+    tl.store(blocks_ptr + base + slot, tl.broadcast_to(j[None, :], (ROWS, BLOCK_S)), mask=ok)
+    b = rows // (N * TB)
+    q_len = tl.load(q_len_ptr + b, mask=row_ok, other=0)
+    kv_len = tl.load(kv_len_ptr + b, mask=row_ok, other=0)
+    first_pos = kv_len - q_len + (rows % TB) * BS
+    # Floor division as XLA's (`limit` may be negative only when no block is whole anyway).
+    reach = tl.minimum(first_pos + 1, kv_len)
+    limit = tl.where(reach >= 0, reach // BS, -((BS - 1 - reach) // BS))
+    whole = tl.sum(sel * (j[None, :] < limit[:, None]).to(tl.int32), axis=1)
+    tl.store(count_ptr + rows, count, mask=row_ok)
+    tl.store(whole_ptr + rows, whole, mask=row_ok)
+
+
+def _block_lists_triton(eff, q_lengths, kv_lengths, block_size):
+    b, n, tb, sb = eff.shape
+    rows = b * n * tb
+    blocks, count, whole = triton_call(
+        eff.reshape(rows, sb).astype(jnp.int8), q_lengths.astype(jnp.int32),
+        kv_lengths.astype(jnp.int32),
+        kernel=_block_lists_kernel,
+        out_shape=(jax.ShapeDtypeStruct((rows, sb), jnp.int32),
+                   jax.ShapeDtypeStruct((rows,), jnp.int32),
+                   jax.ShapeDtypeStruct((rows,), jnp.int32)),
+        grid=(triton.cdiv(rows, _LIST_ROWS),),
+        num_warps=4,
+        ROWS_ALL=rows, N=n, TB=tb, SB=sb, BS=block_size, ROWS=_LIST_ROWS,
+        BLOCK_S=max(16, triton.next_power_of_2(sb)),
+    )
+    return blocks.reshape(eff.shape), count.reshape(eff.shape[:3]), whole.reshape(eff.shape[:3])
+
+
+@triton.jit
+def _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len,
            SCALE_LOG2: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
            SB: tl.constexpr, BS: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr,
-           AHEAD: tl.constexpr):
+           BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr):
     """Step `i` of a list walk: `BLOCK_N` keys, sub-step `i % (BS // BLOCK_N)` of the listed block
-    `j` (entry `i // (BS // BLOCK_N)`); MASKED applies the causal and length rules. Loads the
-    block of step `i + AHEAD` (see the kernel) and returns the carried indices shifted by one:
-    `(j, j1)` are steps `i`, `i + 1` in, `i + 1`, `i + 2` out (AHEAD 2; with AHEAD 1 `j1` is
-    unused and passed through)."""
+    `j` (entry `i // (BS // BLOCK_N)`); MASKED applies the causal and length rules. Returns the
+    block of step `i + 1` too, loaded one step ahead (see the kernel)."""
     SPB: tl.constexpr = BS // BLOCK_N  # steps per block
     start = tl.multiple_of(j * BS + (i % SPB) * BLOCK_N, BLOCK_N)
-    far = _listed(blocks, i + AHEAD, SPB, SB)
-    if AHEAD == 1:
-        j_next = far
-        j_far = j1
-    else:
-        j_next = j1
-        j_far = far
+    j_next = tl.load(blocks + tl.minimum((i + 1) // SPB, SB - 1))
     offs_n = tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
     offs_hv = tl.arange(0, BLOCK_HV)
@@ -192,7 +241,7 @@ def _visit(acc, l, m, j, j1, q, k_base, v_base, pos, blocks, i, kv_len,
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-    return acc, l, m_new, j_next, j_far
+    return acc, l, m_new, j_next
 
 
 @triton.jit
@@ -226,7 +275,6 @@ def _block_sparse_kernel(
     PRECISION: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     KV_HEAD_MAJOR: tl.constexpr = False,
-    AHEAD: tl.constexpr = 1,
 ):
     # The last query tiles (longest lists) first. Heads fastest: GQA siblings run together.
     # KV_HEAD_MAJOR: siblings fastest, then query tiles, then requests, then KV heads, so the
@@ -272,25 +320,16 @@ def _block_sparse_kernel(
     # across block boundaries (a nested loop over the BS // BLOCK_N steps of a block could only
     # overlap inside a block). The block index is loaded one step ahead and carried: a load of it
     # in the step itself makes it a second-level indirect load, for which Triton's pipeliner
-    # halves the K / V prefetch distance (seen in the sm_90 TTGIR at 3 stages). `AHEAD` (Config.
-    # index_ahead) 2 loads it two steps ahead, so it has a whole step to arrive.
+    # halves the K / V prefetch distance (seen in the sm_90 TTGIR at 3 stages).
     SPB: tl.constexpr = BS // BLOCK_N
-    j = _listed(blocks, 0, SPB, SB)
-    j1 = j  # the index of the step after, carried with AHEAD 2
-    if AHEAD == 2:
-        j1 = _listed(blocks, 1, SPB, SB)
+    j = tl.load(blocks)
     for i in tl.range(0, whole * SPB, warp_specialize=WARP_SPECIALIZE):  # seen whole: no mask
-        acc, l, m, j, j1 = _visit(acc, l, m, j, j1, q, k_base, v_base, pos, blocks, i, kv_len,
-                                  SCALE_LOG2, K, H, HV, SB, BS, False, BLOCK_N, BLOCK_H, BLOCK_HV,
-                                  PRECISION, AHEAD)
-    j = _listed(blocks, whole * SPB, SPB, SB)
-    j1 = j
-    if AHEAD == 2:
-        j1 = _listed(blocks, whole * SPB + 1, SPB, SB)
+        acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, SCALE_LOG2,
+                              K, H, HV, SB, BS, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+    j = tl.load(blocks + tl.minimum(whole, SB - 1))
     for i in range(whole * SPB, count * SPB):  # the diagonal and the length tail: token masks
-        acc, l, m, j, j1 = _visit(acc, l, m, j, j1, q, k_base, v_base, pos, blocks, i, kv_len,
-                                  SCALE_LOG2, K, H, HV, SB, BS, True, BLOCK_N, BLOCK_H, BLOCK_HV,
-                                  PRECISION, AHEAD)
+        acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, SCALE_LOG2,
+                              K, H, HV, SB, BS, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
 
     empty = (l == 0.0) | (toks >= q_len)
     safe_l = tl.where(empty, 1.0, l)
@@ -332,7 +371,7 @@ def _launch(q, k, v, blocks, count, whole, q_lengths, kv_lengths, *, scale, bloc
         BLOCK_HV=max(16, triton.next_power_of_2(hv)),
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8,
-        KV_HEAD_MAJOR=config.kv_head_major, AHEAD=config.index_ahead,
+        KV_HEAD_MAJOR=config.kv_head_major,
     )
 
 

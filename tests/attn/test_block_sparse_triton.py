@@ -120,20 +120,6 @@ def test_heads_fastest_order_is_bitwise_the_default(walk):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-# The block index loaded two steps ahead (`Config.index_ahead`): the same walks, bit for bit.
-@pytest.mark.parametrize("walk", list(WALKS))
-def test_index_two_steps_ahead_is_bitwise_the_default(walk):
-    bs, config = WALKS[walk]
-    ahead = dataclasses.replace(config, index_ahead=2)
-    q, k, v, modes, bm, lens = _problem(rng(), b=2, t=77, s=131, n=4, kh=2, bs=bs,
-                                        q_lengths=[77, 50], kv_lengths=[131, 97])
-    opts = dict(block_size=bs, sink_blocks=1, local_blocks=2, **lens)
-    got = kernel.block_sparse_attention(q, k, v, modes, bm, config=ahead, **opts)
-    base = kernel.block_sparse_attention(q, k, v, modes, bm, config=config, **opts)
-    for x, y in zip(got, base):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
 def test_seed_block_128_bf16_default_config():
     gen = rng()
     q, k, v, modes, bm, lens = _problem(gen, b=1, t=200, s=300, n=2, kh=1, bs=128, h=32, hv=32,
@@ -142,9 +128,11 @@ def test_seed_block_128_bf16_default_config():
            block_size=128, sink_blocks=1, local_blocks=1, **lens)
 
 
-def test_block_lists_whole_prefix_is_fully_visible():
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["xla", "triton"])
+def test_block_lists_whole_prefix_is_fully_visible(use_kernel):
     """The unmasked prefix of every list holds only blocks every query of its tile sees whole,
-    and the lists hold exactly the selected blocks in ascending order, then the others."""
+    and the lists hold exactly the selected blocks in ascending order, then the others; the
+    Triton lists kernel (60 rows: a partial last program of 8) the same as the XLA form."""
     gen = rng()
     b, n, t, s, bs = 3, 4, 70, 150, 16
     modes = jnp.asarray(gen.choice([0, 1, -1], (b, n)), jnp.int32)
@@ -155,7 +143,7 @@ def test_block_lists_whole_prefix_is_fully_visible():
                                sink_blocks=1, local_blocks=2, q_lengths=jnp.asarray(q_len),
                                kv_lengths=jnp.asarray(kv_len))
     blocks, count, whole = (np.asarray(x) for x in kernel.block_lists(
-        eff, jnp.asarray(q_len), jnp.asarray(kv_len), bs))
+        eff, jnp.asarray(q_len), jnp.asarray(kv_len), bs, use_kernel=use_kernel))
     eff = np.asarray(eff)
     assert (whole <= count).all() and whole.sum() > 0 and (count - whole).sum() > 0
     # Every row is a permutation of the blocks (the padding past `count` too: the kernel loads
@@ -212,8 +200,6 @@ def test_config_validation():
         kernel.Config(num_warps=5)
     with pytest.raises(ValueError, match="num_stages"):
         kernel.Config(num_stages=0)
-    with pytest.raises(ValueError, match="index_ahead=3"):
-        kernel.Config(index_ahead=3)
 
 
 # GPU: the seed geometry (block 128), bf16, against the float32 reference.
@@ -223,9 +209,7 @@ def test_config_validation():
 GPU_CONFIGS = {"default": None, **{c: kernel.Config(**dict(zip(
     ("block_m", "block_n", "num_warps", "num_stages"), map(int, c.split("-")))))
     for c in ("128-64-8-3", "128-64-8-4", "128-128-8-2", "128-32-8-4", "64-64-4-3")},
-    "heads-fastest": kernel.Config(kv_head_major=False),
-    "index-ahead-2": kernel.Config(index_ahead=2),
-    "index-ahead-2-ws": kernel.Config(index_ahead=2, warp_specialize=True)}
+    "heads-fastest": kernel.Config(kv_head_major=False)}
 
 
 @pytest.mark.gpu
@@ -251,3 +235,21 @@ def test_gpu_matches_reference(density, g, config="default"):
 @pytest.mark.parametrize("config", [c for c in GPU_CONFIGS if c != "default"])
 def test_gpu_sweep_configs_match_reference(config):
     test_gpu_matches_reference(0.5, 4, config)
+
+
+@pytest.mark.gpu
+def test_gpu_block_lists_kernel_matches_xla():
+    """The lists kernel compiled, at the bench's S64K geometry (32 heads x 512 tiles x 512 blocks,
+    random modes and masks, two requests with shorter queries): the XLA form's arrays exactly."""
+    gen = rng()
+    b, n, s, bs = 2, 32, 65536, 128
+    sb = s // bs
+    modes = jnp.asarray(gen.choice([0, 1, -1], (b, n)), jnp.int32)
+    bm = jnp.asarray(gen.random((b, n, sb, sb)) < 0.1)
+    q_len, kv_len = jnp.asarray([s, 40000], jnp.int32), jnp.asarray([s, 60001], jnp.int32)
+    eff = effective_block_mask(modes, bm, num_q_tokens=s, num_kv_tokens=s, block_size=bs,
+                               sink_blocks=1, local_blocks=8, q_lengths=q_len, kv_lengths=kv_len)
+    got = jax.jit(lambda e: kernel.block_lists(e, q_len, kv_len, bs, use_kernel=True))(eff)
+    want = jax.jit(lambda e: kernel.block_lists(e, q_len, kv_len, bs, use_kernel=False))(eff)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
