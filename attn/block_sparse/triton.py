@@ -1,8 +1,9 @@
 """Triton block-sparse prefill: a flash forward that visits only the key blocks a head's mode
 selects (0 full, 1 block mask, -1 streaming), Block-Sparse-Attention semantics.
 
-The block selection is built in XLA: `reference.effective_block_mask` gives `[B, N, Tb, Sb]`, and
-`block_lists` turns each (request, query head, query tile) row into its selected key blocks in
+The block selection is built before the launch: `reference.effective_block_mask` (XLA) gives
+`[B, N, Tb, Sb]`, and `block_lists` (one Triton pass on a GPU, `_block_lists_kernel`; XLA
+elsewhere) turns each (request, query head, query tile) row into its selected key blocks in
 ascending order, their count, and how many of them every query of the tile sees whole (a prefix of
 the list: the blocks wholly below the tile's first query and inside the keys). One program owns
 `BLOCK_M` queries (a part of one query tile of `block_size`) of one query head of one request and
@@ -28,8 +29,9 @@ K / V without masks where the head dims need none, and the default launch is the
 forward's (3 stages instead of 2). ptxas (sm_90a, H = 128, 128 x 64 tiles, 8 warps, 3 stages):
 197 registers, no spills, 128 KiB shared memory. `block_lists` builds the lists with one
 scatter (slots from a cumulative sum) instead of a stable argsort of each of the `B N Tb` rows
-(the same lists; at S = 128K that sort is over 32M entries, inside the timed call). Timings:
-NOTES.md, session 4.
+(the same lists; at S = 128K that sort is over 32M entries, inside the timed call); on a GPU one
+Triton pass does the same per row (S64K: 0.09 ms against the XLA form's 0.16; NOTES.md session
+8). Timings: NOTES.md, session 4.
 
 Programs are per query head (the modes are per query head, so GQA siblings may walk different
 lists), ordered KV head by KV head: the siblings of a KV head vary fastest, then the query tiles

@@ -117,12 +117,12 @@ class Config:
     # (the largest intermediate, written and read once each) and V_new never reach HBM. The
     # output's dots follow `out_bf16`; they sit off the sequential S chain but in its loop.
     fuse_output: bool = False
-    # Session-5 options (off in `Config()`, on in `default_config` where they measured faster;
-    # byte / latency arithmetic in the comment above `default_config`). `state_prefetch`: the
-    # state kernel's chunk loop with every global load of a step issued together at its top,
-    # not each right before its dot. Same arithmetic in the same order. Triton already
-    # software-pipelines the loop's loads a chunk ahead (async copies to shared memory;
-    # `num_stages` / `state_stages` deep), so expect ~no change.
+    # Session-5 options (off in `Config()`; `default_config` takes `store_qn` and the head-major
+    # grids: NOTES.md sessions 5-8, byte / latency arithmetic in the comments above
+    # `default_config`). `state_prefetch`: the state kernel's chunk loop with every global load
+    # of a step issued together at its top, not each right before its dot. Same arithmetic in
+    # the same order. Triton already software-pipelines the loop's loads a chunk ahead (async
+    # copies to shared memory; `num_stages` / `state_stages` deep), so expect ~no change.
     state_prefetch: bool = False
     # State grid `(slices, Nv, Ns)`, not `(Ns, Nv, slices)`: the value slices of one head (which
     # read the same W, K, Q, P) and the two heads of a key head launch next to one another, so
