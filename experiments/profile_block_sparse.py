@@ -116,6 +116,8 @@ def main(argv=None) -> list[dict]:
     timing = dict(iters=1, trials=1, warmup=1) if args.quick else dict(iters=5, trials=5)
     print(f"device: {jax.devices()[0].device_kind}  heads: {heads}  block: {bs}", flush=True)
     configs = [""] + args.config
+    for text in args.config:  # a bad field fails here, before anything is timed
+        _bench.parse_fields(sparse_triton.Config, text)
     rows = [r for s in seqs for r in parts(s, args.density, configs, bs=bs, timing=timing,
                                            **heads)]
     print("(ms; goal = density x dense, <= 1.15 to meet it; k+l: the kernel alone plus the lists; "
