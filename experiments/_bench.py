@@ -26,8 +26,14 @@ import jax.numpy as jnp
 
 
 def parse_fields(cls, text: str):
-    """`"name=value,..."` -> `cls(...)` for a dataclass of int / bool / str / float fields (the
-    type of each field's default; a bool as 0 / 1 / true / false). ValueError names a bad item."""
+    """`"name=value,..."` -> `cls(...)`, the other fields at their defaults (`parse_changes`)."""
+    return cls(**parse_changes(cls, text))
+
+
+def parse_changes(cls, text: str) -> dict:
+    """`"name=value,..."` -> `{name: value}` for fields of the dataclass `cls` (int / bool / str /
+    float: the type of each field's default; a bool as 0 / 1 / true / false), to apply with
+    `dataclasses.replace`. ValueError names a bad item."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kw = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
@@ -41,7 +47,7 @@ def parse_fields(cls, text: str):
             kw[name] = value.lower() in ("1", "true")
         else:
             kw[name] = kind(value)
-    return cls(**kw)
+    return kw
 
 
 def describe_fields(config) -> str:

@@ -1,7 +1,8 @@
-"""Where the block-sparse prefill's time goes: the op as `bench_prefill` times it, its XLA part
-(the effective block mask and the per-row block lists; `lists` as the op makes them, `lis_xla`
-the XLA form the CPU uses) alone, and the kernel alone on lists made beforehand (for each
-`--config`), next to our dense flash at the same length (the goal's anchor).
+"""Where the block-sparse prefill's time goes: the op as `bench_prefill` times it, its work before
+the launch alone (the effective block mask and the per-row block lists: `lists` as the op makes
+them, on a GPU the Triton lists kernel; `lis_xla` the XLA form the CPU uses), and the kernel alone
+on lists made beforehand (for each `--config`), next to our dense flash at the same length (the
+goal's anchor).
 
     python -m experiments.profile_block_sparse                      # S64K, density 0.1 (GPU)
     python -m experiments.profile_block_sparse --seqs 65536,131072 --density 0.1
@@ -71,8 +72,7 @@ def parts(s: int, density: float, configs: list[str], *, n: int, kh: int, h: int
                   dense=_bench.time_ms(dense, q, k, v, **timing))
     rows = []
     for text in configs:
-        config = dataclasses.replace(base, **dataclasses.asdict(
-            _bench.parse_fields(sparse_triton.Config, text))) if text else base
+        config = dataclasses.replace(base, **_bench.parse_changes(sparse_triton.Config, text))
         kernel = jax.jit(lambda q, k, v, blocks, count, whole, config=config: sparse_triton._launch(
             q, k, v, blocks, count, whole, lengths, lengths, scale=h**-0.5, block_size=bs,
             config=config)[0])

@@ -4,6 +4,7 @@ The plumbing tests are fast and run in CI; the smoke run of every prefill row gr
 through Triton's interpreter, about a minute on two cores) is `slow`.
 """
 
+import dataclasses
 import json
 import time
 
@@ -167,3 +168,18 @@ def test_block_sparse_profile_runs_on_cpu(capsys):
     assert "k+l/goal" in capsys.readouterr().out
     with pytest.raises(ValueError, match="no_such_field=1"):
         prof.main(["--quick", "--config", "no_such_field=1"])
+
+
+def test_parse_changes_keep_the_other_fields_of_a_base_config():
+    """`--config` text changes only the fields it names (a base that is not `Config()`, e.g. a
+    `default_config` for wide heads, keeps the rest); a bad name or value says which."""
+    from attn.block_sparse import triton as sparse_triton
+
+    base = sparse_triton.default_config(256)  # 32-key steps, 2 stages
+    changed = dataclasses.replace(base, **_bench.parse_changes(sparse_triton.Config,
+                                                                 "warp_specialize=1"))
+    assert changed == dataclasses.replace(base, warp_specialize=True) and changed.block_n == 32
+    with pytest.raises(ValueError, match="nope=1"):
+        _bench.parse_changes(sparse_triton.Config, "nope=1")
+    with pytest.raises(ValueError, match="num_stages=0"):
+        _bench.parse_fields(sparse_triton.Config, "num_stages=0")

@@ -152,7 +152,6 @@ def _block_lists_xla(eff, q_lengths, kv_lengths, block_size):
     return blocks, count, whole
 
 
-
 _LIST_ROWS = 8  # rows of the block mask per program of `_block_lists_kernel`
 
 
