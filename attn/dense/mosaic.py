@@ -1,0 +1,419 @@
+"""Mosaic GPU flash prefill (Pallas `plgpu.kernel`, Hopper): causal or full, GQA, window + sinks.
+
+Why a second forward next to `attn/dense/triton.py`: the Triton kernel stalls ~18% of the time on
+the `Q Kᵀ` wgmma right after issuing it (softmax never overlaps the tensor cores inside a warp
+group) and Triton 3.6 through jax-triton 0.3.1 cannot express the schedule that hides it
+(benchmarks/NOTES.md, sessions 5-9). Here the schedule is written out (FlashAttention-3's):
+
+- Three warp groups per program. Two compute warp groups own `block_q` query rows each (the
+  program's `2 * block_q` consecutive tokens of one query head); the third only issues TMA copies
+  of the K / V tiles into a ring of `stages` shared-memory slots (`k_ready` / `v_ready` barriers),
+  and refills a slot once both compute groups have released it (`k_free` / `v_free`, two
+  arrivals each). It runs with 40 registers, the compute groups with 232.
+- Ping-pong: a two-arrival `turn` barrier that each compute group passes twice a step, once
+  after issuing `S = Q Kᵀ` and once after its softmax, just before issuing `O += P V`; group 1
+  passes it once more before its first step and group 0 once after its last. The groups thus
+  alternate on the tensor cores: one computes its softmax while the other's two GEMMs run.
+
+Key steps (`block_kv` keys each). A program walks one list of steps, which both compute groups
+follow in lock step (the slots and barriers are shared): the sink steps `[0, n_sink)`, then the
+window `[w_lo, w_hi)` (every step of a causal program when there is no window). Each group runs a
+step in one of three ways: *whole* (every row of the group sees every key: no mask), *masked*
+(the causal diagonal, the window's lower edge, the sinks: the token-level rule), or *skip* (the
+group sees nothing of it, which happens for at most one step at each end of the window because
+the two groups' rows differ by `block_q`): a skipped step only keeps the barrier protocol (it waits
+and releases the slot and passes `turn` twice). `step_ranges` computes these ranges; it is plain
+integer arithmetic, checked on the CPU against a brute-force visibility count.
+
+Programs: the grid is (query head, query tile, request), heads fastest (the group of a KV head
+reads the same K / V while it is in L2), the last (longest causal) query tiles first. The lse is
+stored `[B, N, T]` (1-D TMA stores of `block_q` rows) and transposed outside.
+
+Supports: causal with `T == S` and no offset, or non-causal; `window` / `sinks` as Python ints
+or concrete arrays equal across KV heads; `H == Hv` in {64, 128}; bf16 / f16; `T` a multiple of
+`2 * block_q` and `S` of `block_kv`. Anything else raises NotImplementedError (the public API then
+uses the Triton kernel). Gradients: the Triton backward kernels, from this forward's out and lse.
+Compiles only on a Hopper GPU (there is no CPU interpreter for Mosaic GPU); `pytest -m gpu` checks
+it against the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from attn import _checks
+from attn.dense import triton as dense_triton
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+_HEAD_DIMS = (64, 128)
+_COMPUTE_REGISTERS, _MEMORY_REGISTERS = 232, 40
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """`block_q` query rows per compute warp group (a program owns two groups: `2 * block_q`
+    tokens), `block_kv` keys per step, `stages` K / V slots in shared memory."""
+
+    block_q: int = 64
+    block_kv: int = 128
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.block_q % 64:
+            raise ValueError(f"block_q={self.block_q} must be a multiple of 64 (one wgmma M)")
+        if self.block_kv % 64 or self.block_kv <= 0:
+            raise ValueError(f"block_kv={self.block_kv} must be a positive multiple of 64")
+        if self.stages < 2:
+            raise ValueError(f"stages={self.stages} must be >= 2 (one slot loads while one "
+                             f"is read)")
+
+
+def default_config(head_dim: int) -> Config:
+    """64 rows a compute group, 128-key steps, 2 slots (H100, H128 causal S8K / S16K: 2 slots
+    beat 3; 64-key steps are slower; benchmarks/NOTES.md, session 9)."""
+    del head_dim
+    return Config()
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def step_ranges(r0, rows: int, *, block_kv: int, seq_len: int, causal: bool, window: int,
+                sinks: int):
+    """Key steps of a program, or of one compute group, whose query rows (= positions) are
+    `[r0, r0 + rows)`; `r0` may be a traced int32 or a Python / numpy int.
+
+    Returns `(n_sink, w_lo, full_lo, full_hi, w_hi)` in steps of `block_kv` keys: the sink steps
+    `[0, n_sink)` (masked), then the window `[w_lo, w_hi)`, of which `[full_lo, full_hi)` every
+    row sees whole and the rest only partly. Without a window, `n_sink = w_lo = 0`.
+    """
+    num_steps = seq_len // block_kv
+    if not causal:
+        return 0, 0, 0, num_steps, num_steps
+    last = r0 + rows - 1  # the last row's position
+    w_hi = jnp.minimum(_cdiv(last + 1, block_kv), num_steps)
+    full_hi = jnp.minimum((r0 + 1) // block_kv, w_hi)  # steps whose last key <= r0
+    if window <= 0:
+        return 0, 0, 0, full_hi, w_hi
+    n_sink = jnp.minimum(_cdiv(min(sinks, seq_len), block_kv), w_hi)
+    w_lo = jnp.clip(jnp.maximum(r0 - window + 1, 0) // block_kv, n_sink, w_hi)
+    # A step starting at or after `last - window + 1` is inside every row's window.
+    full_lo = jnp.clip(_cdiv(jnp.maximum(last - window + 1, 0), block_kv), w_lo, w_hi)
+    full_hi = jnp.clip(full_hi, full_lo, w_hi)
+    return n_sink, w_lo, full_lo, full_hi, w_hi
+
+
+def _transposed(plgpu, ref):
+    """`ref` `[R, C]` viewed `[C, R]` (jax 0.11: `ref.transpose`; 0.10: `plgpu.transpose_ref`)."""
+    if hasattr(ref, "transpose"):
+        return ref.transpose((1, 0))
+    return plgpu.transpose_ref(ref, (1, 0))
+
+
+def _kernel_call(q, k, v, *, scale: float, causal: bool, window: int, sinks: int,
+                 config: Config):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    bq, bkv, stages = config.block_q, config.block_kv, config.stages
+    rows = 2 * bq
+    num_tiles = t // rows
+    dtype = q.dtype
+    scale_log2 = scale * LOG2E
+    ranges = functools.partial(step_ranges, block_kv=bkv, seq_len=s, causal=causal,
+                               window=window, sinks=sinks)
+
+    def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped):
+        (q_smem, k_smem, v_smem, lse_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = (
+            scoped)
+        wg = lax.axis_index("wg")
+        head, bi = lax.axis_index("heads"), lax.axis_index("batch")
+        r0 = (num_tiles - 1 - lax.axis_index("q_seq")) * rows  # longest tiles first
+        n_sink, w_lo, _, _, w_hi = ranges(r0, rows)
+        total = n_sink + w_hi - w_lo  # steps of the program's list
+
+        def pass_turn():
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            q0 = r0 + wg * bq
+            q_tile = q_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q0, bq), head], q_tile, q_ready.at[wg])
+            # The group's ranges, nested inside the list's window (its own sink count can be
+            # smaller: its rows end earlier), in order: skip, masked, whole, masked, skip.
+            _, my_lo, full_lo, full_hi, my_hi = ranges(q0, bq)
+            my_lo = jnp.clip(my_lo, w_lo, w_hi)
+            full_lo = jnp.clip(full_lo, my_lo, w_hi)
+            full_hi = jnp.clip(full_hi, full_lo, w_hi)
+            my_hi = jnp.clip(my_hi, full_hi, w_hi)
+
+            def at(step):  # list position of window step `step`
+                return n_sink + step - w_lo
+
+            def one_step(i, carry, mode):
+                acc, m, l = carry
+                slot = lax.rem(i, stages)
+                nxt = i + 1
+
+                def wait_next_k():
+                    @pl.when(nxt < total)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)])
+
+                if mode == "skip":  # the barrier protocol of a step, no math
+                    pass_turn()
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_arrive(turn)
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(turn)
+                    wait_next_k()
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return carry
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, q_tile, _transposed(plgpu, k_smem.at[slot]))
+                    pass_turn()  # the other group's P V runs while this one's S lands
+                    return acc_ref[...]
+
+                qk = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if mode == "masked":
+                    pos = q0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 0,
+                                                      layout=plgpu.Layout.WGMMA)
+                    key = (jnp.where(i < n_sink, i, w_lo + i - n_sink) * bkv
+                           + plgpu.broadcasted_iota(jnp.int32, qk.shape, 1,
+                                                    layout=plgpu.Layout.WGMMA))
+                    visible = key <= pos
+                    if window > 0:
+                        visible &= (key > pos - window) | (key < sinks)
+                    s_ = jnp.where(visible, qk * scale_log2, -jnp.inf)
+                    m_new = jnp.maximum(m, s_.max(axis=1))
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that saw nothing
+                    p = jnp.exp2(s_ - lax.broadcast_in_dim(m_use, s_.shape, [0]))
+                else:
+                    m_new = jnp.maximum(m, qk.max(axis=1) * scale_log2)
+                    m_use = m_new
+                    p = jnp.exp2(qk * scale_log2 - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+                alpha = jnp.exp2(m - m_use)
+                acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p = p.astype(dtype)
+                # Keep the rescale and the row sums before the barrier (measured upstream in
+                # JAX's Mosaic GPU attention example to matter at H <= 128), then hand over the
+                # tensor cores.
+                acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(turn)
+
+                def values(acc_ref):
+                    plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                    wait_next_k()  # while P V runs
+
+                acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            def run(lo, hi, mode, carry):
+                return lax.fori_loop(lo, hi, functools.partial(one_step, mode=mode), carry)
+
+            m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                                  plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32), plgpu.Layout.WGMMA)
+            carry = (acc, m, l)
+            plgpu.barrier_wait(q_ready.at[wg])
+
+            @pl.when(total > 0)
+            def _():
+                plgpu.barrier_wait(k_ready.at[0])
+
+            pl.when(wg == 1)(pass_turn)
+            carry = run(0, n_sink, "masked", carry)
+            carry = run(at(w_lo), at(my_lo), "skip", carry)
+            carry = run(at(my_lo), at(full_lo), "masked", carry)
+            carry = run(at(full_lo), at(full_hi), "whole", carry)
+            carry = run(at(full_hi), at(my_hi), "masked", carry)
+            carry = run(at(my_hi), total, "skip", carry)
+            pl.when(wg == 0)(pass_turn)
+            acc, m, l = carry
+
+            empty = l == 0.0
+            safe_l = jnp.where(empty, 1.0, l)
+            acc /= lax.broadcast_in_dim(safe_l, acc.shape, [0])
+            q_tile[...] = acc.astype(dtype)
+            lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(safe_l))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_tile, o_ref.at[bi, pl.ds(q0, bq), head])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, head, pl.ds(q0, bq)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+            kv_head = head // g
+
+            def copy(i, slot, ready, src, dst):
+                block = jnp.where(i < n_sink, i, w_lo + i - n_sink)
+                plgpu.copy_gmem_to_smem(src.at[bi, pl.ds(block * bkv, bkv), kv_head],
+                                        dst.at[slot], ready.at[slot])
+
+            for i in range(stages):
+                @pl.when(i < total)
+                def _(i=i):
+                    copy(i, i, k_ready, k_ref, k_smem)
+                    copy(i, i, v_ready, v_ref, v_smem)
+
+            @pl.loop(0, jnp.maximum(total - stages, 0))
+            def _(i):
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                copy(i + stages, slot, k_ready, k_ref, k_smem)
+                plgpu.barrier_wait(v_free.at[slot])
+                copy(i + stages, slot, v_ready, v_ref, v_smem)
+
+    def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+        tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        pl.run_scoped(
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped),
+            (plgpu.SMEM((2, bq, h), dtype, transforms=tiles),
+             plgpu.SMEM((stages, bkv, h), dtype, transforms=tiles),
+             plgpu.SMEM((stages, bkv, h), dtype, transforms=tiles),
+             plgpu.SMEM((2, bq), jnp.float32)),
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=2)),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+
+    out, lse = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
+                  jax.ShapeDtypeStruct((b, n, t), jnp.float32)),
+        grid=(n, num_tiles, b),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, k, v)
+    return out, jnp.swapaxes(lse, 1, 2)
+
+
+def _static_per_head(name: str, x, num_kv_heads: int) -> int:
+    """A Python int from an int or a concrete `[K]` array whose entries are all equal."""
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    arr = _checks.concrete(x)
+    if arr is None or arr.shape not in ((), (num_kv_heads,)) or np.unique(arr).size != 1:
+        raise NotImplementedError(f"{name}: the Mosaic GPU kernel takes one static value for "
+                                  f"every KV head; got {x!r}")
+    return int(arr.reshape(-1)[0])
+
+
+def check_supported(q, k, v, *, causal: bool, scale: float, q_offset, window, sinks,
+                    kv_lengths, q_segment_ids, kv_segment_ids, config: Config) -> tuple[int, int]:
+    """Raise NotImplementedError (naming the value) for what this kernel does not do; returns
+    the static `(window, sinks)` (window 0: none)."""
+    def refuse(why):
+        raise NotImplementedError(f"Mosaic GPU flash kernel: {why}")
+
+    (_, t, _, h), (_, s, kh, hv) = q.shape, v.shape
+    if q_segment_ids is not None or kv_segment_ids is not None:
+        refuse("segment ids (packed varlen) are not supported")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        refuse(f"dtype {q.dtype}: bfloat16 or float16 only")
+    if h != hv or h not in _HEAD_DIMS:
+        refuse(f"H={h}, Hv={hv}: needs H == Hv in {_HEAD_DIMS}")
+    if not scale > 0:
+        refuse(f"scale={scale} must be positive")
+    if t % (2 * config.block_q) or s % config.block_kv:
+        refuse(f"T={t} must be a multiple of {2 * config.block_q} and S={s} of "
+               f"{config.block_kv}")
+    if causal and t != s:
+        refuse(f"causal with T={t} != S={s} (a query offset) is not supported")
+    offset = _checks.concrete(q_offset)
+    if offset is None or np.any(offset != 0):
+        refuse(f"q_offset={q_offset!r}: only a static 0")
+    if kv_lengths is not None:
+        lengths = _checks.concrete(kv_lengths)
+        if lengths is None or np.any(lengths != s):
+            refuse(f"kv_lengths={kv_lengths!r}: only the full length S={s}")
+    window = 0 if window is None or not causal else _static_per_head("window", window, kh)
+    window = max(window, 0)
+    sinks = _static_per_head("sinks", sinks, kh) if window else 0
+    return window, max(sinks, 0)
+
+
+def _forward(q, k, v, *, causal, scale, window, sinks, config):
+    return _kernel_call(q, k, v, scale=scale, causal=causal, window=window, sinks=sinks,
+                        config=config)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _flash(q, k, v, causal, scale, window, sinks, config):
+    return _forward(q, k, v, causal=causal, scale=scale, window=window, sinks=sinks,
+                    config=config)
+
+
+def _flash_fwd(q, k, v, causal, scale, window, sinks, config):
+    out, lse = _forward(q, k, v, causal=causal, scale=scale, window=window, sinks=sinks,
+                        config=config)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _flash_bwd(causal, scale, window, sinks, config, res, cotangents):
+    q, k, v, out, lse = res
+    d_out, d_lse = cotangents
+    b, s, kh = q.shape[0], k.shape[1], k.shape[2]
+    return dense_triton._backward(
+        q, k, v, out, lse, d_out, d_lse, jnp.zeros((b,), jnp.int32),
+        jnp.full((kh,), window, jnp.int32), jnp.full((kh,), sinks, jnp.int32),
+        jnp.full((b,), s, jnp.int32), causal=causal, scale=scale,
+        config=dense_triton.default_config(q.shape[-1], v.shape[-1]))
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "window", "sinks", "config"))
+def _attention(q, k, v, *, causal, scale, window, sinks, config):
+    return _flash(q, k, v, causal, scale, window, sinks, config)
+
+
+def attention(q, k, v, *, causal=True, scale=None, q_offset=0, window=None, sinks=0,
+              q_segment_ids=None, kv_segment_ids=None, kv_lengths=None,
+              config: Config | None = None):
+    """Dense attention through the Mosaic GPU forward (differentiable: Triton backward);
+    arguments as `attn.dense.attention` (validated there), plus `config` (default:
+    `default_config`).
+
+    Returns:
+      `(out [B, T, N, H] in q's dtype, lse [B, T, N] float32)`.
+
+    Raises:
+      NotImplementedError: see the module docstring (the caller falls back to Triton).
+    """
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    config = config or default_config(q.shape[-1])
+    window, sinks = check_supported(
+        q, k, v, causal=causal, scale=scale, q_offset=q_offset, window=window, sinks=sinks,
+        kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        config=config)
+    return _attention(q, k, v, causal=bool(causal), scale=scale, window=window, sinks=sinks,
+                      config=config)
