@@ -31,7 +31,10 @@ from attn.dense import reference
 
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 _SUPPORTED = ("xla",)  # masked / varlen attention: no Triton kernel yet
-_ATTENTION_SUPPORTED = ("triton", "xla")  # `attention`: the flash kernel (attn/dense/triton.py)
+# `attention`: the flash kernels, in `auto`'s order of preference on a GPU; each refuses the
+# options it does not support (NotImplementedError) and the next one runs.
+_ATTENTION_SUPPORTED = ("triton", "mosaic", "xla")
+_ATTENTION_FALLBACK = {"mosaic": "triton", "triton": "xla"}
 
 # jit once here so eager callers (notebooks, tests) do not dispatch op by op; inside a caller's jit
 # these are inlined. The wrappers below pass every optional mask argument as an array (an absent
@@ -178,8 +181,10 @@ def attention(
       q_segment_ids: `[B, T]` integer segment ids (packed sequences); needs `kv_segment_ids`.
       kv_segment_ids: `[B, S]` integer segment ids.
       kv_lengths: `[B]` integer; keys `s >= kv_lengths[b]` are invisible.
-      implementation: `"xla"`, `"triton"` (the flash kernel, `attn/dense/triton.py`) or `"auto"`
-        (the kernel on a GPU, XLA where the kernel refuses the options, e.g. segment ids).
+      implementation: `"xla"`, `"triton"` (the flash kernel, `attn/dense/triton.py`), `"mosaic"`
+        (the Mosaic GPU forward, `attn/dense/mosaic.py`: Hopper, static window / sinks, no
+        offsets or lengths) or `"auto"` (on a GPU the first kernel that takes the options, XLA
+        where none does, e.g. segment ids).
 
     Returns:
       `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`; rows with no visible key give
@@ -190,8 +195,8 @@ def attention(
         without `causal`, negative sinks or offset, one segment-id array without the other.
       TypeError: non-float or mixed q/k/v dtypes, non-integer offsets / windows / sinks / ids /
         lengths, a non-numeric scale.
-      NotImplementedError: `implementation="triton"` with options the kernel does not support
-        (segment ids).
+      NotImplementedError: `implementation="triton"` / `"mosaic"` with options that kernel does
+        not support (segment ids; for mosaic also offsets, lengths, per-head windows).
     """
     _checks.check_rank("q", q, 4, "B T N H")
     _checks.check_rank("k", k, 4, "B S K H")
@@ -206,17 +211,20 @@ def attention(
         sinks=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         kv_lengths=kv_lengths)
     impl = resolve_implementation(implementation, supported=_ATTENTION_SUPPORTED)
-    if impl == "triton":
-        from attn.dense import triton as kernel
-
+    while impl != "xla":
+        if impl == "mosaic":
+            from attn.dense import mosaic as kernel
+        else:
+            from attn.dense import triton as kernel
         try:  # refuses unsupported options before launching anything
             return kernel.attention(
                 q, k, v, causal=args["causal"], scale=scale, q_offset=args["q_offset"],
                 window=args["window"], sinks=args["sinks"], q_segment_ids=q_segment_ids,
                 kv_segment_ids=kv_segment_ids, kv_lengths=args["kv_lengths"])
         except NotImplementedError:
-            if implementation == "triton":
+            if implementation == impl:  # asked for by name: say why not
                 raise
+            impl = _ATTENTION_FALLBACK[impl]
     return _attention(q, k, v, scale=scale, **args)
 
 

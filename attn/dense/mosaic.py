@@ -49,6 +49,7 @@ import numpy as np
 from jax import lax
 
 from attn import _checks
+from attn._harness import on_gpu
 from attn.dense import triton as dense_triton
 
 LOG2E = math.log2(math.e)
@@ -112,6 +113,19 @@ def step_ranges(r0, rows: int, *, block_kv: int, seq_len: int, causal: bool, win
     return n_sink, w_lo, full_lo, full_hi, w_hi
 
 
+def group_ranges(program, group):
+    """A compute group's window steps `(lo, full_lo, full_hi, hi)`, nested in the program's window
+    `[w_lo, w_hi)` (`program`; `group` is `step_ranges` of the group's rows, whose sink count can
+    be smaller: its rows end earlier). The group skips `[w_lo, lo)` and `[hi, w_hi)` (it sees no
+    key there), masks `[lo, full_lo)` and `[full_hi, hi)`, and sees `[full_lo, full_hi)` whole."""
+    w_lo, w_hi = program
+    _, lo, full_lo, full_hi, hi = group
+    lo = jnp.clip(lo, w_lo, w_hi)
+    full_lo = jnp.clip(full_lo, lo, w_hi)
+    full_hi = jnp.clip(full_hi, full_lo, w_hi)
+    return lo, full_lo, full_hi, jnp.clip(hi, full_hi, w_hi)
+
+
 def _transposed(plgpu, ref):
     """`ref` `[R, C]` viewed `[C, R]` (jax 0.11: `ref.transpose`; 0.10: `plgpu.transpose_ref`)."""
     if hasattr(ref, "transpose"):
@@ -154,13 +168,7 @@ def _kernel_call(q, k, v, *, scale: float, causal: bool, window: int, sinks: int
             q0 = r0 + wg * bq
             q_tile = q_smem.at[wg]
             plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q0, bq), head], q_tile, q_ready.at[wg])
-            # The group's ranges, nested inside the list's window (its own sink count can be
-            # smaller: its rows end earlier), in order: skip, masked, whole, masked, skip.
-            _, my_lo, full_lo, full_hi, my_hi = ranges(q0, bq)
-            my_lo = jnp.clip(my_lo, w_lo, w_hi)
-            full_lo = jnp.clip(full_lo, my_lo, w_hi)
-            full_hi = jnp.clip(full_hi, full_lo, w_hi)
-            my_hi = jnp.clip(my_hi, full_hi, w_hi)
+            my_lo, full_lo, full_hi, my_hi = group_ranges((w_lo, w_hi), ranges(q0, bq))
 
             def at(step):  # list position of window step `step`
                 return n_sink + step - w_lo
@@ -415,5 +423,8 @@ def attention(q, k, v, *, causal=True, scale=None, q_offset=0, window=None, sink
         q, k, v, causal=causal, scale=scale, q_offset=q_offset, window=window, sinks=sinks,
         kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         config=config)
+    if not on_gpu():
+        raise NotImplementedError("Mosaic GPU flash kernel: needs a CUDA GPU (Hopper); there is "
+                                  "no CPU interpreter for Mosaic GPU")
     return _attention(q, k, v, causal=bool(causal), scale=scale, window=window, sinks=sinks,
                       config=config)
