@@ -146,10 +146,11 @@ def test_kernel_matches_reference(case, dtype):
 
 @pytest.mark.gpu
 def test_configs_agree():
-    """Other tiles and more slots give the default's output (same math, other schedule)."""
+    """64-key steps with 3 / 4 slots give the default's output (same math, other schedule; 3
+    slots of 128 keys do not fit in shared memory at H128)."""
     q, k, v = _qkv(rng(2), 1, 1024, 1024, 2, 4, 128)
     base = mosaic.attention(q, k, v, window=384, sinks=64)
-    for cfg in (mosaic.Config(stages=3), mosaic.Config(block_kv=64, stages=4)):
+    for cfg in (mosaic.Config(block_kv=64, stages=3), mosaic.Config(block_kv=64, stages=4)):
         out = mosaic.attention(q, k, v, window=384, sinks=64, config=cfg)
         assert_close(out[0].astype(jnp.float32), base[0].astype(jnp.float32), atol=1e-2,
                      rtol=1e-2)
