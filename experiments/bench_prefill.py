@@ -60,21 +60,47 @@ import jax.numpy as jnp
 import numpy as np
 
 import attn  # noqa: F401  (sets up Triton before its first import)
+from attn.dense import attention
+from attn.dense import mosaic as dense_mosaic
 from attn.dense import triton as dense_triton
 from experiments import _bench, bench_gdn_prefill, bench_sparse_prefill
 
 log = logging.getLogger("bench_prefill")
 
 # The markdown table's columns (the JSON has every field).
-COLUMNS = ("kernel", "case", "ms", "achieved", "unit", "fraction_of_ceiling", "anchor",
+COLUMNS = ("kernel", "case", "impl", "ms", "achieved", "unit", "fraction_of_ceiling", "anchor",
            "anchor_ms", "speedup_vs_anchor", "tokamax_ms", "speedup_vs_tokamax", "tokamax_impl",
            "goal", "meets_goal")
 _TOKAMAX: dict = {}  # the module, imported once, or None and why
 
 
 def _ours(config, **options):
-    """Our kernel, jitted; every array is an argument (a closed-over array is baked in)."""
+    """Our Triton kernel, jitted; every array is an argument (a closed-over array is baked in)."""
     return jax.jit(lambda q, k, v: dense_triton.attention(q, k, v, config=config, **options)[0])
+
+
+def _ours_timed(ctx, q, k, v, **options):
+    """Our dense forward as `attn.dense.attention(implementation="auto")` runs it: the Mosaic GPU
+    kernel where it takes the shapes (a Hopper GPU), else the Triton one; the Triton kernel is
+    timed beside it either way (`triton_ms`), with `--config` if given.
+
+    Returns:
+      `(ms, out, fields)`: the time and output of the kernel `fields["impl"]` names.
+    """
+    triton_fn = _ours(ctx.config, **options)
+    triton_out = triton_fn(q, k, v)
+    triton_ms = ctx.time(triton_fn, q, k, v)
+    fields = {"triton_ms": round(triton_ms, 4), "triton_config": _config_dict(ctx, q.shape[-1])}
+    mosaic_fn = jax.jit(lambda q, k, v: dense_mosaic.attention(q, k, v, **options)[0])
+    try:
+        out = mosaic_fn(q, k, v)
+    except NotImplementedError as e:  # no Hopper GPU (or options it refuses): Triton is ours
+        return triton_ms, triton_out, fields | {"impl": "triton", "config": fields["triton_config"],
+                                                "mosaic_note": _first_line(e)}
+    ms = ctx.time(mosaic_fn, q, k, v)
+    return ms, out, fields | {
+        "impl": "mosaic", "config": dataclasses.asdict(dense_mosaic.default_config(q.shape[-1])),
+        "rel_err_triton_vs_mosaic": round(_bench.rel_err(triton_out, out), 5)}
 
 
 def _cudnn(k_heads_ok: bool, **options):
@@ -216,18 +242,16 @@ def _config_dict(ctx, h) -> dict:
 def flash_rows(args, ctx):
     """Causal dense prefill against cuDNN and tokamax at each sequence length."""
     b, n, kh, h = args.batch, args.heads, args.kv_heads, args.head_dim
-    ours = _ours(ctx.config)
     for s in args.seqs:
         q, k, v = _bench.qkv(s, b, s, n, kh, h)
-        out = ours(q, k, v)
-        ms = ctx.time(ours, q, k, v)
+        ms, out, extra = _ours_timed(ctx, q, k, v)
         anchor_ms, anchor_out, note = _time_cudnn(ctx, q, k, v, is_causal=True)
         flops = 4 * _causal_pairs(b, s, n) * h
-        extra = {"config": _config_dict(ctx, h)}
         extra |= _tokamax_fields(ctx, ms, out, q, k, v, is_causal=True)
         if anchor_out is not None:
             extra["rel_err_vs_anchor"] = round(_bench.rel_err(out, anchor_out), 5)
             extra["anchor_tflops"] = round(flops / anchor_ms / 1e9, 2)
+            extra["speedup_triton_vs_anchor"] = round(anchor_ms / extra["triton_ms"], 4)
         if note:
             extra["anchor_note"] = note
         yield _bench.row(
@@ -244,17 +268,17 @@ def window_rows(args, ctx):
     b, n, kh, h = args.batch, args.heads, args.kv_heads, args.head_dim
     s, w, sink = args.window_seq, args.window, args.sink
     q, k, v = _bench.qkv(7, b, s, n, kh, h)
-    ours = _ours(ctx.config, window=w, sinks=sink)
-    ms = ctx.time(ours, q, k, v)
+    ms, _, extra = _ours_timed(ctx, q, k, v, window=w, sinks=sink)
     window_opts = dict(is_causal=True, local_window_size=(w - 1, 0))
     anchor_ms, anchor_out, note = _time_cudnn(ctx, q, k, v, **window_opts)
     flops = 4 * b * n * h * _window_pairs(s, w, sink)
-    extra = {"config": _config_dict(ctx, h),
-             "visible_fraction": round(_window_pairs(s, w, sink) / (s * s / 2), 5)}
-    no_sink = _ours(ctx.config, window=w)  # the anchors' exact function: like for like
-    no_sink_out = no_sink(q, k, v)
-    no_sink_ms = ctx.time(no_sink, q, k, v)
+    extra["visible_fraction"] = round(_window_pairs(s, w, sink) / (s * s / 2), 5)
+    # The anchors' exact function (no sink), like for like, by the same kernel.
+    no_sink_ms, no_sink_out, no_sink = _ours_timed(ctx, q, k, v, window=w)
     extra["ours_no_sink_ms"] = round(no_sink_ms, 4)
+    extra["triton_no_sink_ms"] = no_sink["triton_ms"]
+    if anchor_ms is not None:
+        extra["speedup_triton_vs_anchor"] = round(anchor_ms / extra["triton_ms"], 4)
     tk = _tokamax_fields(ctx, no_sink_ms, no_sink_out, q, k, v, **window_opts)
     if tk["tokamax_ms"] is not None:  # the row's speed-up is of the row's `ms`, as for cuDNN
         tk["speedup_no_sink_vs_tokamax"] = tk["speedup_vs_tokamax"]
@@ -292,8 +316,11 @@ def backward_rows(args, ctx):
         q, k, v = _bench.qkv(s + 3, b, s, n, kh, h)
         d_out = jax.random.normal(jax.random.key(s), q.shape, q.dtype)
         opts = {} if w is None else dict(window=w)
-        ours = _grad_fn(lambda q, k, v, opts=opts: dense_triton.attention(
-            q, k, v, config=ctx.config, **opts)[0])
+        if ctx.config is None:  # what `attention(implementation="auto")` trains through
+            ours = _grad_fn(lambda q, k, v, opts=opts: attention(q, k, v, **opts)[0])
+        else:
+            ours = _grad_fn(lambda q, k, v, opts=opts: dense_triton.attention(
+                q, k, v, config=ctx.config, **opts)[0])
         grads = ours(q, k, v, d_out)
         ms = ctx.time(ours, q, k, v, d_out)
         cudnn_opts = dict(is_causal=True)

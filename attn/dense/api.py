@@ -33,7 +33,7 @@ _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 _SUPPORTED = ("xla",)  # masked / varlen attention: no Triton kernel yet
 # `attention`: the flash kernels, in `auto`'s order of preference on a GPU; each refuses the
 # options it does not support (NotImplementedError) and the next one runs.
-_ATTENTION_SUPPORTED = ("triton", "mosaic", "xla")
+_ATTENTION_SUPPORTED = ("mosaic", "triton", "xla")
 _ATTENTION_FALLBACK = {"mosaic": "triton", "triton": "xla"}
 
 # jit once here so eager callers (notebooks, tests) do not dispatch op by op; inside a caller's jit
@@ -183,8 +183,8 @@ def attention(
       kv_lengths: `[B]` integer; keys `s >= kv_lengths[b]` are invisible.
       implementation: `"xla"`, `"triton"` (the flash kernel, `attn/dense/triton.py`), `"mosaic"`
         (the Mosaic GPU forward, `attn/dense/mosaic.py`: Hopper, static window / sinks, no
-        offsets or lengths) or `"auto"` (on a GPU the first kernel that takes the options, XLA
-        where none does, e.g. segment ids).
+        offsets or lengths) or `"auto"` (on a GPU the first of mosaic, triton that takes the
+        options, XLA where neither does, e.g. segment ids).
 
     Returns:
       `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`; rows with no visible key give

@@ -426,5 +426,9 @@ def attention(q, k, v, *, causal=True, scale=None, q_offset=0, window=None, sink
     if not on_gpu():
         raise NotImplementedError("Mosaic GPU flash kernel: needs a CUDA GPU (Hopper); there is "
                                   "no CPU interpreter for Mosaic GPU")
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    if not capability.startswith("9."):
+        raise NotImplementedError(f"Mosaic GPU flash kernel: needs Hopper (sm_90, wgmma); this "
+                                  f"GPU has compute capability {capability or 'unknown'}")
     return _attention(q, k, v, causal=bool(causal), scale=scale, window=window, sinks=sinks,
                       config=config)
