@@ -118,12 +118,24 @@ def _sparse_case(args, ctx, s: int, density: float, q, k, v) -> dict:
         tb, sb = eff.shape[-2:]
         diag = eff[..., np.arange(tb), np.arange(tb)].sum()
         pairs = float(eff.sum() - diag) * bs * bs + float(diag) * bs * (bs + 1) / 2
-        ours = jax.jit(lambda q, k, v, mask: block_sparse_attention(
-            q, k, v, modes, mask, block_size=bs, implementation="triton")[0])
-        out = ours(q, k, v, mask)
-        ms = ctx.time(ours, q, k, v, mask)
-        return dict(ms=ms, density=float(eff.sum() / (n * sb * (sb + 1) / 2)), pairs=pairs,
-                    out=out if density >= 1.0 else None)
+        def run(impl):
+            return jax.jit(lambda q, k, v, mask: block_sparse_attention(
+                q, k, v, modes, mask, block_size=bs, implementation=impl)[0])
+        triton_run = run("triton")
+        out = triton_run(q, k, v, mask)
+        triton_ms = ctx.time(triton_run, q, k, v, mask)
+        case = dict(ms=triton_ms, impl="triton", triton_ms=triton_ms, pairs=pairs,
+                    density=float(eff.sum() / (n * sb * (sb + 1) / 2)))
+        try:  # ours is what `implementation="auto"` runs: the Mosaic GPU kernel on Hopper
+            mosaic_run = run("mosaic")
+            mosaic_out = mosaic_run(q, k, v, mask)
+        except NotImplementedError:
+            pass
+        else:
+            case |= dict(ms=ctx.time(mosaic_run, q, k, v, mask), impl="mosaic",
+                         rel_err_triton_vs_mosaic=_bench.rel_err(out, mosaic_out))
+            out = mosaic_out
+        return case | dict(out=out if density >= 1.0 else None)
     return ctx.once(("sparse", s, density, n, h, bs), measure)
 
 
@@ -137,13 +149,19 @@ def sparse_rows(args, ctx):
         for density in [args.density] + ([1.0] if s == args.full_density_seq else []):
             case = _sparse_case(args, ctx, s, density, q, k, v)
             ms, got = case["ms"], case["density"]
-            extra = {"density": round(got, 4), "target_density": density,
+            extra = {"impl": case["impl"], "triton_ms": round(case["triton_ms"], 4),
+                     "density": round(got, 4), "target_density": density,
                      "dense_ms": round(dense_ms, 4), "dense_impl": dense["impl"],
                      "dense_triton_ms": round(dense["triton_ms"], 4),
-                     "ratio_vs_triton_dense": round(ms / (got * dense["triton_ms"]), 4),
+                     "triton_ratio_vs_triton_dense": round(
+                         case["triton_ms"] / (got * dense["triton_ms"]), 4),
                      "goal_ms": round(1.15 * got * dense_ms, 4),
                      "speedup_ideal": round(1 / got, 3),
-                     "config": _config_of(sparse_triton, h)}
+                     "triton_config": _config_of(sparse_triton, h),
+                     "config": (_config_of(dense_mosaic, h) if case["impl"] == "mosaic"
+                                else _config_of(sparse_triton, h))}
+            if "rel_err_triton_vs_mosaic" in case:
+                extra["rel_err_triton_vs_mosaic"] = round(case["rel_err_triton_vs_mosaic"], 5)
             if case["out"] is not None:
                 flash = jax.jit(lambda q, k, v: dense_triton.attention(q, k, v)[0])
                 extra["rel_err_vs_dense"] = round(_bench.rel_err(case["out"], flash(q, k, v)), 5)

@@ -196,8 +196,10 @@ def block_sparse_attention(
       kv_lengths: `[B]` int32 valid keys per request; keys past it are never read. Default S.
       scale: softmax scale; default `H ** -0.5`.
       implementation: `"xla"`, `"triton"` (`attn/block_sparse/triton.py`: visits only the selected
-        key blocks; differentiable through the reference's VJP) or `"auto"` (the kernel on a GPU,
-        XLA where the kernel refuses the shapes).
+        key blocks; differentiable through the reference's VJP), `"mosaic"`
+        (`attn/block_sparse/mosaic.py`: the same on Hopper through Mosaic GPU; T == S, full
+        lengths, block 128) or `"auto"` (on a GPU the first of mosaic, triton that takes the
+        shapes, XLA where neither does).
 
     Returns:
       `(out [B, T, N, Hv] in q.dtype, lse [B, T, N] float32)`. A row with no visible key gives
@@ -225,10 +227,12 @@ def block_sparse_attention(
     _check_blocks_count("local_blocks", local_blocks, N)
     if scale is not None and not scale > 0:
         raise ValueError(f"{scale=} must be positive")
-    impl = resolve_implementation(implementation, supported=("triton", "xla"))
-    if impl == "triton":
-        from attn.block_sparse import triton as kernel
-
+    impl = resolve_implementation(implementation, supported=("mosaic", "triton", "xla"))
+    while impl != "xla":
+        if impl == "mosaic":
+            from attn.block_sparse import mosaic as kernel
+        else:
+            from attn.block_sparse import triton as kernel
         try:  # refuses unsupported shapes before launching anything
             return kernel.block_sparse_attention(
                 q, k, v, head_mask_type.astype(jnp.int32), block_mask, block_size=block_size,
@@ -236,8 +240,9 @@ def block_sparse_attention(
                 q_lengths=q_lengths, kv_lengths=kv_lengths,
                 scale=None if scale is None else float(scale))
         except NotImplementedError:
-            if implementation == "triton":
+            if implementation == impl:  # asked for by name: say why not
                 raise
+            impl = {"mosaic": "triton", "triton": "xla"}[impl]
     return _attention(
         q, k, v, head_mask_type.astype(jnp.int32), block_mask, block_size=block_size,
         sink_blocks=_per_head(sink_blocks, N), local_blocks=_per_head(local_blocks, N),

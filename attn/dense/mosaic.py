@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -133,30 +134,44 @@ def _transposed(plgpu, ref):
     return plgpu.transpose_ref(ref, (1, 0))
 
 
-def _kernel_call(q, k, v, *, scale: float, causal: bool, window: int, sinks: int,
-                 config: Config):
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one program walks, built inside the kernel from its grid indices (traced scalars).
+
+    `total` key steps in list order; list position `i` holds key block `block_of(i)` (steps of
+    `block_kv` keys). `runs(q0)` splits `[0, total)` into consecutive `(lo, hi, mode)` runs for the
+    compute group whose rows start at token `q0`, `mode` in {"whole", "masked", "skip"};
+    `visible(pos, key)` is the token rule of the masked steps (int32 arrays in, bool out)."""
+
+    batch: object
+    head: object
+    kv_head: object
+    r0: object
+    total: object
+    block_of: Callable
+    runs: Callable
+    visible: Callable
+
+
+def flash_call(q, k, v, extra=(), *, plan: Callable, grid: tuple[int, ...],
+               grid_names: tuple[str, ...], scale: float, config: Config):
+    """Run the flash forward over the programs of `grid`, each walking `plan(*extra_refs)`
+    (`extra`: int32 arrays the plan reads, e.g. block lists). Returns `(out [B, T, N, H],
+    lse [B, T, N] natural log)`; rows of `T` no program covers are left unwritten."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     b, t, n, h = q.shape
-    s, kh = k.shape[1], k.shape[2]
-    g = n // kh
     bq, bkv, stages = config.block_q, config.block_kv, config.stages
-    rows = 2 * bq
-    num_tiles = t // rows
     dtype = q.dtype
     scale_log2 = scale * LOG2E
-    ranges = functools.partial(step_ranges, block_kv=bkv, seq_len=s, causal=causal,
-                               window=window, sinks=sinks)
 
-    def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scoped):
         (q_smem, k_smem, v_smem, lse_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = (
             scoped)
         wg = lax.axis_index("wg")
-        head, bi = lax.axis_index("heads"), lax.axis_index("batch")
-        r0 = (num_tiles - 1 - lax.axis_index("q_seq")) * rows  # longest tiles first
-        n_sink, w_lo, _, _, w_hi = ranges(r0, rows)
-        total = n_sink + w_hi - w_lo  # steps of the program's list
+        pln = plan(*extra_refs)
+        bi, head, total = pln.batch, pln.head, pln.total
 
         def pass_turn():
             plgpu.barrier_arrive(turn)
@@ -165,13 +180,9 @@ def _kernel_call(q, k, v, *, scale: float, causal: bool, window: int, sinks: int
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
-            q0 = r0 + wg * bq
+            q0 = pln.r0 + wg * bq
             q_tile = q_smem.at[wg]
             plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q0, bq), head], q_tile, q_ready.at[wg])
-            my_lo, full_lo, full_hi, my_hi = group_ranges((w_lo, w_hi), ranges(q0, bq))
-
-            def at(step):  # list position of window step `step`
-                return n_sink + step - w_lo
 
             def one_step(i, carry, mode):
                 acc, m, l = carry
@@ -193,6 +204,9 @@ def _kernel_call(q, k, v, *, scale: float, causal: bool, window: int, sinks: int
                     plgpu.barrier_arrive(v_free.at[slot])
                     return carry
 
+                if mode == "masked":  # read before the scores land (a list may live in GMEM)
+                    key0 = pln.block_of(i) * bkv
+
                 def scores(acc_ref):
                     plgpu.wgmma(acc_ref, q_tile, _transposed(plgpu, k_smem.at[slot]))
                     pass_turn()  # the other group's P V runs while this one's S lands
@@ -203,13 +217,9 @@ def _kernel_call(q, k, v, *, scale: float, causal: bool, window: int, sinks: int
                 if mode == "masked":
                     pos = q0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 0,
                                                       layout=plgpu.Layout.WGMMA)
-                    key = (jnp.where(i < n_sink, i, w_lo + i - n_sink) * bkv
-                           + plgpu.broadcasted_iota(jnp.int32, qk.shape, 1,
-                                                    layout=plgpu.Layout.WGMMA))
-                    visible = key <= pos
-                    if window > 0:
-                        visible &= (key > pos - window) | (key < sinks)
-                    s_ = jnp.where(visible, qk * scale_log2, -jnp.inf)
+                    key = key0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 1,
+                                                        layout=plgpu.Layout.WGMMA)
+                    s_ = jnp.where(pln.visible(pos, key), qk * scale_log2, -jnp.inf)
                     m_new = jnp.maximum(m, s_.max(axis=1))
                     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that saw nothing
                     p = jnp.exp2(s_ - lax.broadcast_in_dim(m_use, s_.shape, [0]))
@@ -237,9 +247,6 @@ def _kernel_call(q, k, v, *, scale: float, causal: bool, window: int, sinks: int
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
-            def run(lo, hi, mode, carry):
-                return lax.fori_loop(lo, hi, functools.partial(one_step, mode=mode), carry)
-
             m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                                   plgpu.Layout.WGMMA.reduce(1))
             l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -252,12 +259,8 @@ def _kernel_call(q, k, v, *, scale: float, causal: bool, window: int, sinks: int
                 plgpu.barrier_wait(k_ready.at[0])
 
             pl.when(wg == 1)(pass_turn)
-            carry = run(0, n_sink, "masked", carry)
-            carry = run(at(w_lo), at(my_lo), "skip", carry)
-            carry = run(at(my_lo), at(full_lo), "masked", carry)
-            carry = run(at(full_lo), at(full_hi), "whole", carry)
-            carry = run(at(full_hi), at(my_hi), "masked", carry)
-            carry = run(at(my_hi), total, "skip", carry)
+            for lo, hi, mode in pln.runs(q0):
+                carry = lax.fori_loop(lo, hi, functools.partial(one_step, mode=mode), carry)
             pl.when(wg == 0)(pass_turn)
             acc, m, l = carry
 
@@ -274,31 +277,32 @@ def _kernel_call(q, k, v, *, scale: float, causal: bool, window: int, sinks: int
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
-            kv_head = head // g
 
-            def copy(i, slot, ready, src, dst):
-                block = jnp.where(i < n_sink, i, w_lo + i - n_sink)
-                plgpu.copy_gmem_to_smem(src.at[bi, pl.ds(block * bkv, bkv), kv_head],
+            def copy(block, slot, ready, src, dst):
+                plgpu.copy_gmem_to_smem(src.at[bi, pl.ds(block * bkv, bkv), pln.kv_head],
                                         dst.at[slot], ready.at[slot])
 
             for i in range(stages):
                 @pl.when(i < total)
                 def _(i=i):
-                    copy(i, i, k_ready, k_ref, k_smem)
-                    copy(i, i, v_ready, v_ref, v_smem)
+                    block = pln.block_of(i)
+                    copy(block, i, k_ready, k_ref, k_smem)
+                    copy(block, i, v_ready, v_ref, v_smem)
 
             @pl.loop(0, jnp.maximum(total - stages, 0))
             def _(i):
                 slot = lax.rem(i, stages)
+                block = pln.block_of(i + stages)  # read before the wait: its latency hides there
                 plgpu.barrier_wait(k_free.at[slot])
-                copy(i + stages, slot, k_ready, k_ref, k_smem)
+                copy(block, slot, k_ready, k_ref, k_smem)
                 plgpu.barrier_wait(v_free.at[slot])
-                copy(i + stages, slot, v_ready, v_ref, v_smem)
+                copy(block, slot, v_ready, v_ref, v_smem)
 
-    def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+    def entry(q_ref, k_ref, v_ref, *refs):
+        *extra_refs, o_ref, lse_ref = refs
         tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped),
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scoped),
             (plgpu.SMEM((2, bq, h), dtype, transforms=tiles),
              plgpu.SMEM((stages, bkv, h), dtype, transforms=tiles),
              plgpu.SMEM((stages, bkv, h), dtype, transforms=tiles),
@@ -314,13 +318,65 @@ def _kernel_call(q, k, v, *, scale: float, causal: bool, window: int, sinks: int
         entry,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
                   jax.ShapeDtypeStruct((b, n, t), jnp.float32)),
-        grid=(n, num_tiles, b),
-        grid_names=("heads", "q_seq", "batch"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v)
+    )(q, k, v, *extra)
     return out, jnp.swapaxes(lse, 1, 2)
+
+
+def _kernel_call(q, k, v, *, scale: float, causal: bool, window: int, sinks: int,
+                 config: Config):
+    """The dense forward: programs over (query head, query tile, request), the list of each
+    program its sink steps then its window (`step_ranges`)."""
+    b, t, n, _ = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    rows = 2 * config.block_q
+    num_tiles = t // rows
+    ranges = functools.partial(step_ranges, block_kv=config.block_kv, seq_len=s, causal=causal,
+                               window=window, sinks=sinks)
+
+    def visible(pos, key):
+        vis = key <= pos if causal else key >= 0
+        if window > 0:
+            vis &= (key > pos - window) | (key < sinks)
+        return vis
+
+    def plan():
+        head = lax.axis_index("heads")
+        r0 = (num_tiles - 1 - lax.axis_index("q_seq")) * rows  # longest tiles first
+        n_sink, w_lo, _, _, w_hi = ranges(r0, rows)
+
+        def at(step):  # list position of window step `step`
+            return n_sink + step - w_lo
+
+        def runs(q0):
+            lo, full_lo, full_hi, hi = group_ranges((w_lo, w_hi), ranges(q0, config.block_q))
+            return [(0, n_sink, "masked"), (at(w_lo), at(lo), "skip"),
+                    (at(lo), at(full_lo), "masked"), (at(full_lo), at(full_hi), "whole"),
+                    (at(full_hi), at(hi), "masked"), (at(hi), at(w_hi), "skip")]
+
+        return Plan(batch=lax.axis_index("batch"), head=head, kv_head=head // (n // kh), r0=r0,
+                    total=n_sink + w_hi - w_lo,
+                    block_of=lambda i: jnp.where(i < n_sink, i, w_lo + i - n_sink),
+                    runs=runs, visible=visible)
+
+    return flash_call(q, k, v, plan=plan, grid=(n, num_tiles, b),
+                      grid_names=("heads", "q_seq", "batch"), scale=scale, config=config)
+
+
+def check_device() -> None:
+    """Raise NotImplementedError unless the default device is a Hopper GPU (the kernels issue
+    wgmma; there is no CPU interpreter for Mosaic GPU)."""
+    if not on_gpu():
+        raise NotImplementedError("Mosaic GPU kernels need a CUDA GPU (Hopper); there is no CPU "
+                                  "interpreter for Mosaic GPU")
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    if not capability.startswith("9."):
+        raise NotImplementedError(f"Mosaic GPU kernels need Hopper (sm_90, wgmma); this GPU has "
+                                  f"compute capability {capability or 'unknown'}")
 
 
 def _static_per_head(name: str, x, num_kv_heads: int) -> int:
@@ -423,12 +479,6 @@ def attention(q, k, v, *, causal=True, scale=None, q_offset=0, window=None, sink
         q, k, v, causal=causal, scale=scale, q_offset=q_offset, window=window, sinks=sinks,
         kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         config=config)
-    if not on_gpu():
-        raise NotImplementedError("Mosaic GPU flash kernel: needs a CUDA GPU (Hopper); there is "
-                                  "no CPU interpreter for Mosaic GPU")
-    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
-    if not capability.startswith("9."):
-        raise NotImplementedError(f"Mosaic GPU flash kernel: needs Hopper (sm_90, wgmma); this "
-                                  f"GPU has compute capability {capability or 'unknown'}")
+    check_device()
     return _attention(q, k, v, causal=bool(causal), scale=scale, window=window, sinks=sinks,
                       config=config)

@@ -1,0 +1,131 @@
+"""Mosaic GPU block-sparse prefill (Hopper): the dense Mosaic GPU forward's schedule walking each
+query tile's list of selected key blocks (Block-Sparse-Attention semantics, as the Triton kernel).
+
+The lists are the Triton kernel's (`triton.block_lists`: per (request, query head, query tile)
+the selected key blocks ascending, their count, and how many of them every query of the tile
+sees whole). One program owns one query tile (`block_size` = 128 tokens = the two compute warp
+groups' 64 rows each) of one query head and walks its list with `attn.dense.mosaic.flash_call`:
+a TMA warp group copies the listed K / V blocks (reading each block id from the list in GMEM a
+step ahead, while it waits for the slot), two compute warp groups ping-pong on the tensor cores.
+The first `whole` entries run without a mask; the rest (the diagonal, which the causal rule cuts)
+with the token-level causal rule.
+
+Programs: query heads of one KV head fastest (GQA siblings read the same K / V while it is in
+L2), then query tiles (longest lists first), then KV heads, then requests, as the Triton kernel's
+`kv_head_major` order (measured there: at 10% random masks the blocks then come from L2).
+
+Supports: `T == S`, full lengths (no `q_lengths` / `kv_lengths` shorter than the arrays),
+`block_size` 128, `H == Hv` in {64, 128}, bf16 / f16, `T` a multiple of 128. Anything else raises
+NotImplementedError (the public API then runs the Triton kernel). Forward only; the public op
+takes its gradient from the reference, as the Triton kernel does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from attn import _checks
+from attn.block_sparse import reference
+from attn.block_sparse.triton import block_lists
+from attn.dense import mosaic as dense_mosaic
+from attn.dense.triton_paged import with_reference_gradient
+
+_BLOCK = 128  # tokens a block = rows a program = keys a step
+
+
+def check_supported(q, k, v, *, block_size: int, q_lengths, kv_lengths) -> None:
+    """Raise NotImplementedError, naming the value, for what this kernel does not do."""
+    def refuse(why):
+        raise NotImplementedError(f"Mosaic GPU block-sparse kernel: {why}")
+
+    (_, t, _, h), (_, s, _, hv) = q.shape, v.shape
+    if block_size != _BLOCK:
+        refuse(f"block_size={block_size}: only {_BLOCK}")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        refuse(f"dtype {q.dtype}: bfloat16 or float16 only")
+    if h != hv or h not in dense_mosaic._HEAD_DIMS:
+        refuse(f"H={h}, Hv={hv}: needs H == Hv in {dense_mosaic._HEAD_DIMS}")
+    if t != s or t % _BLOCK:
+        refuse(f"T={t}, S={s}: needs T == S, a multiple of {_BLOCK}")
+    for name, lengths in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)):
+        if lengths is None:
+            continue
+        got = _checks.concrete(lengths)
+        if got is None or np.any(got != t):
+            refuse(f"{name}={lengths!r}: only the full length {t}")
+    dense_mosaic.check_device()
+
+
+def _launch(q, k, v, blocks, count, whole, *, scale: float):
+    b, t, n, _ = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    tb = t // _BLOCK
+    config = dense_mosaic.Config(block_q=_BLOCK // 2, block_kv=_BLOCK, stages=2)
+
+    def plan(blocks_ref, count_ref, whole_ref):
+        pid = lax.axis_index("programs")
+        bi = lax.axis_index("batch")
+        head = (pid // (g * tb)) * g + lax.rem(pid, g)
+        r = tb - 1 - lax.rem(pid // g, tb)  # longest lists first
+        total, n_whole = count_ref[bi, head, r], whole_ref[bi, head, r]
+        return dense_mosaic.Plan(
+            batch=bi, head=head, kv_head=head // g, r0=r * _BLOCK, total=total,
+            block_of=lambda i: blocks_ref[bi, head, r, i],
+            runs=lambda q0: [(0, n_whole, "whole"), (n_whole, total, "masked")],
+            visible=lambda pos, key: key <= pos)
+
+    return dense_mosaic.flash_call(
+        q, k, v, (blocks, count, whole), plan=plan, grid=(n * tb, b),
+        grid_names=("programs", "batch"), scale=scale, config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale"))
+def _block_sparse(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, *, block_size,
+                  scale):
+    b, t = q.shape[:2]
+    lengths = jnp.full((b,), t, jnp.int32)
+    eff = reference.effective_block_mask(
+        head_mask_type, block_mask, num_q_tokens=t, num_kv_tokens=t, block_size=block_size,
+        sink_blocks=sink_blocks, local_blocks=local_blocks, q_lengths=lengths,
+        kv_lengths=lengths)
+    blocks, count, whole = block_lists(eff, lengths, lengths, block_size)
+
+    def kernel_fn(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, blocks, count,
+                  whole):
+        return _launch(q, k, v, blocks, count, whole, scale=scale)
+
+    def reference_fn(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, *_):
+        return reference.block_sparse_attention(
+            q, k, v, head_mask_type, block_mask, block_size=block_size, sink_blocks=sink_blocks,
+            local_blocks=local_blocks, scale=scale)
+
+    return with_reference_gradient(kernel_fn, reference_fn)(
+        q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, blocks, count, whole)
+
+
+def block_sparse_attention(q, k, v, head_mask_type, block_mask=None, *, block_size=128,
+                           sink_blocks=1, local_blocks=16, q_lengths=None, kv_lengths=None,
+                           scale=None):
+    """Block-sparse prefill through the Mosaic GPU kernel; arguments as
+    `attn.block_sparse.block_sparse_attention` (validated there). Differentiable: the backward
+    is the reference's.
+
+    Returns:
+      `(out [B, T, N, H] in q's dtype, lse [B, T, N] float32)`.
+
+    Raises:
+      NotImplementedError: see `check_supported` (the caller falls back to Triton).
+    """
+    check_supported(q, k, v, block_size=block_size, q_lengths=q_lengths, kv_lengths=kv_lengths)
+    n = q.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    per_head = [jnp.broadcast_to(jnp.asarray(x, jnp.int32), (n,))
+                for x in (sink_blocks, local_blocks)]
+    return _block_sparse(q, k, v, jnp.asarray(head_mask_type, jnp.int32), block_mask, *per_head,
+                         block_size=block_size, scale=scale)

@@ -1,0 +1,64 @@
+"""The Mosaic GPU block-sparse kernel: refusals on the CPU (no Mosaic GPU interpreter), the kernel
+against the reference on the GPU (the Triton kernel's seed geometry: blocks of 128, bf16)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn.block_sparse import block_sparse_attention
+from attn.block_sparse import mosaic as kernel
+from tests.attn.test_block_sparse_triton import _problem
+from tests.utils import AttentionTestBase, assert_close, rng
+
+REFUSED = [
+    (dict(bs=64), {}, "block_size=64"),
+    (dict(h=96, hv=96), {}, "H=96"),
+    (dict(dtype=jnp.float32), {}, "dtype"),
+    (dict(t=256, s=384), {}, "T=256, S=384"),
+    ({}, dict(kv_lengths=np.array([200], np.int32)), "kv_lengths"),
+    ({}, {}, "Mosaic GPU kernels need"),  # everything else fits: no Hopper GPU here
+]
+
+
+@pytest.mark.parametrize("shape,options,match", REFUSED, ids=[r[2] for r in REFUSED])
+def test_refusals_name_the_value(shape, options, match):
+    if match.startswith("Mosaic GPU kernels") and jax.default_backend() == "gpu":
+        pytest.skip("a GPU is present")
+    dims = dict(b=1, t=256, s=256, n=4, kh=2, bs=128, h=64, hv=64, dtype=jnp.bfloat16) | shape
+    q, k, v, modes, bm, _ = _problem(rng(0), **dims)
+    with pytest.raises(NotImplementedError, match=match):
+        kernel.block_sparse_attention(q, k, v, modes, bm, block_size=dims["bs"], **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("density", [0.1, 0.5, 1.0])
+@pytest.mark.parametrize("g", [1, 4])
+def test_gpu_matches_reference(density, g):
+    kh = 2
+    q, k, v, modes, bm, _ = _problem(rng(), b=2, t=2048, s=2048, n=kh * g, kh=kh, bs=128, h=128,
+                                     hv=128, dtype=jnp.bfloat16, density=density)
+    opts = dict(block_size=128, sink_blocks=1, local_blocks=4)
+    out, lse = jax.jit(lambda *a: kernel.block_sparse_attention(*a, **opts))(q, k, v, modes, bm)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    exp_out, exp_lse = block_sparse_attention(*f32, modes, bm, implementation="xla", **opts)
+    assert_close(out, exp_out, dtype=jnp.bfloat16)
+    assert_close(lse, exp_lse, atol=1e-2, rtol=1e-3, allow_neg_inf=True)
+    AttentionTestBase.check_masked_rows(out, lse, np.isfinite(np.asarray(exp_lse)))
+
+
+@pytest.mark.gpu
+def test_gpu_auto_picks_mosaic_and_falls_back():
+    """auto runs the Mosaic kernel where it fits (bit for bit the explicit call) and the Triton
+    kernel where it does not (shorter lengths)."""
+    q, k, v, modes, bm, _ = _problem(rng(), b=1, t=1024, s=1024, n=4, kh=2, bs=128, h=128,
+                                     hv=128, dtype=jnp.bfloat16, density=0.3)
+    opts = dict(block_size=128, sink_blocks=1, local_blocks=2)
+    auto = block_sparse_attention(q, k, v, modes, bm, implementation="auto", **opts)
+    mosaic = block_sparse_attention(q, k, v, modes, bm, implementation="mosaic", **opts)
+    np.testing.assert_array_equal(np.asarray(auto[0]), np.asarray(mosaic[0]))
+    lengths = dict(q_lengths=jnp.asarray([900]), kv_lengths=jnp.asarray([900]))
+    out, _ = block_sparse_attention(q, k, v, modes, bm, implementation="auto", **opts, **lengths)
+    want, _ = block_sparse_attention(q, k, v, modes, bm, implementation="triton", **opts,
+                                     **lengths)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
