@@ -25,6 +25,11 @@ the two groups' rows differ by `block_q`): a skipped step only keeps the barrier
 and releases the slot and passes `turn` twice). `step_ranges` computes these ranges; it is plain
 integer arithmetic, checked on the CPU against a brute-force visibility count.
 
+The program-independent part is `flash_call`: it runs the schedule above over whatever list a
+`Plan` gives each program (its request, heads, first row, number of steps, the key block of each
+step, the compute groups' runs of whole / masked / skipped steps and the token rule of the masked
+ones). The dense plan is `_kernel_call`'s; `attn/block_sparse/mosaic.py` walks block lists with it.
+
 Programs: the grid is (query head, query tile, request), heads fastest (the group of a KV head
 reads the same K / V while it is in L2), the last (longest causal) query tiles first. The lse is
 stored `[B, N, T]` (1-D TMA stores of `block_q` rows) and transposed outside.
@@ -79,8 +84,10 @@ class Config:
 
 
 def default_config(head_dim: int) -> Config:
-    """64 rows a compute group, 128-key steps, 2 slots (H100, H128 causal S8K / S16K: 2 slots
-    beat 3; 64-key steps are slower; benchmarks/NOTES.md, session 9)."""
+    """64 rows a compute group, 128-key steps, 2 slots. H100, causal N32 / K8 H128 at S8K / S16K
+    with JAX's example kernel of this schedule (benchmarks/NOTES.md, session 9): 3 slots 0.98 /
+    3.74 ms against 2 slots' 0.92 / 3.58, 64-key steps 1.12 / 4.17; here 3 slots of 128 keys do
+    not fit in shared memory at H128 (232568 B, 120 B over)."""
     del head_dim
     return Config()
 
