@@ -38,8 +38,10 @@ from attn.dense.triton_paged import with_reference_gradient
 _BLOCK = 128  # tokens a block = rows a program = keys a step
 
 
-def check_supported(q, k, v, *, block_size: int, q_lengths, kv_lengths) -> None:
-    """Raise NotImplementedError, naming the value, for what this kernel does not do."""
+def check_supported(q, k, v, *, block_size: int, q_lengths, kv_lengths,
+                    device: bool = True) -> None:
+    """Raise NotImplementedError, naming the value, for what this kernel does not do (`device`:
+    also without a Hopper GPU)."""
     def refuse(why):
         raise NotImplementedError(f"Mosaic GPU block-sparse kernel: {why}")
 
@@ -58,15 +60,17 @@ def check_supported(q, k, v, *, block_size: int, q_lengths, kv_lengths) -> None:
         got = _checks.concrete(lengths)
         if got is None or np.any(got != t):
             refuse(f"{name}={lengths!r}: only the full length {t}")
-    dense_mosaic.check_device()
+    if device:
+        dense_mosaic.check_device()
 
 
-def _launch(q, k, v, blocks, count, whole, *, scale: float):
+def _launch(q, k, v, blocks, count, whole, *, scale: float, interpret: bool):
     b, t, n, _ = q.shape
     kh = k.shape[2]
     g = n // kh
     tb = t // _BLOCK
-    config = dense_mosaic.Config(block_q=_BLOCK // 2, block_kv=_BLOCK, stages=2)
+    config = dense_mosaic.Config(block_q=_BLOCK // 2, block_kv=_BLOCK, stages=2,
+                                 interpret=interpret)
 
     def plan(blocks_ref, count_ref, whole_ref):
         pid = lax.axis_index("programs")
@@ -85,9 +89,9 @@ def _launch(q, k, v, blocks, count, whole, *, scale: float):
         grid_names=("programs", "batch"), scale=scale, config=config)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "scale"))
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "interpret"))
 def _block_sparse(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, *, block_size,
-                  scale):
+                  scale, interpret):
     b, t = q.shape[:2]
     lengths = jnp.full((b,), t, jnp.int32)
     eff = reference.effective_block_mask(
@@ -98,7 +102,7 @@ def _block_sparse(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks
 
     def kernel_fn(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, blocks, count,
                   whole):
-        return _launch(q, k, v, blocks, count, whole, scale=scale)
+        return _launch(q, k, v, blocks, count, whole, scale=scale, interpret=interpret)
 
     def reference_fn(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, *_):
         return reference.block_sparse_attention(
@@ -111,10 +115,11 @@ def _block_sparse(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks
 
 def block_sparse_attention(q, k, v, head_mask_type, block_mask=None, *, block_size=128,
                            sink_blocks=1, local_blocks=16, q_lengths=None, kv_lengths=None,
-                           scale=None):
+                           scale=None, interpret: bool = False):
     """Block-sparse prefill through the Mosaic GPU kernel; arguments as
-    `attn.block_sparse.block_sparse_attention` (validated there). Differentiable: the backward
-    is the reference's.
+    `attn.block_sparse.block_sparse_attention` (validated there), plus `interpret` (Pallas's
+    Mosaic GPU interpreter, on the CPU: `attn.dense.mosaic.Config.interpret`). Differentiable:
+    the backward is the reference's.
 
     Returns:
       `(out [B, T, N, H] in q's dtype, lse [B, T, N] float32)`.
@@ -122,10 +127,11 @@ def block_sparse_attention(q, k, v, head_mask_type, block_mask=None, *, block_si
     Raises:
       NotImplementedError: see `check_supported` (the caller falls back to Triton).
     """
-    check_supported(q, k, v, block_size=block_size, q_lengths=q_lengths, kv_lengths=kv_lengths)
+    check_supported(q, k, v, block_size=block_size, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                    device=not interpret)
     n = q.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     per_head = [jnp.broadcast_to(jnp.asarray(x, jnp.int32), (n,))
                 for x in (sink_blocks, local_blocks)]
     return _block_sparse(q, k, v, jnp.asarray(head_mask_type, jnp.int32), block_mask, *per_head,
-                         block_size=block_size, scale=scale)
+                         block_size=block_size, scale=scale, interpret=interpret)

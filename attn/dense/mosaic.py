@@ -72,6 +72,10 @@ class Config:
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
+    # Run in Pallas's Mosaic GPU interpreter (on the CPU: the tests), not compiled. The two
+    # wgmmas become `jnp` products of the same shared-memory tiles there (the interpreter has no
+    # transposed-ref wgmma nor `run_state`); the schedule, barriers and copies are the kernel's.
+    interpret: bool = False
 
     def __post_init__(self):
         if self.block_q % 64:
@@ -160,6 +164,16 @@ class Plan:
     visible: Callable
 
 
+def _interpret_params():
+    """The interpreter's parameters (exported as `plgpu.InterpretGPUParams` from jax 0.11)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
+
+
 def flash_call(q, k, v, extra=(), *, plan: Callable, grid: tuple[int, ...],
                grid_names: tuple[str, ...], scale: float, config: Config):
     """Run the flash forward over the programs of `grid`, each walking `plan(*extra_refs)`
@@ -172,6 +186,22 @@ def flash_call(q, k, v, extra=(), *, plan: Callable, grid: tuple[int, ...],
     bq, bkv, stages = config.block_q, config.block_kv, config.stages
     dtype = q.dtype
     scale_log2 = scale * LOG2E
+    interpret = _interpret_params() if config.interpret else None
+
+    # Register layouts are hints for the Mosaic GPU compiler; the CPU interpreter has none.
+    if interpret is None:
+        def with_layout(x, layout):
+            return plgpu.layout_cast(x, layout)
+
+        def iota(shape, dim):
+            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+    else:
+        def with_layout(x, layout):
+            del layout
+            return x
+
+        def iota(shape, dim):
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
 
     def kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scoped):
         (q_smem, k_smem, v_smem, lse_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = (
@@ -214,18 +244,21 @@ def flash_call(q, k, v, extra=(), *, plan: Callable, grid: tuple[int, ...],
                 if mode == "masked":  # read before the scores land (a list may live in GMEM)
                     key0 = pln.block_of(i) * bkv
 
-                def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, _transposed(plgpu, k_smem.at[slot]))
-                    pass_turn()  # the other group's P V runs while this one's S lands
-                    return acc_ref[...]
+                if interpret is None:
+                    def scores(acc_ref):
+                        plgpu.wgmma(acc_ref, q_tile, _transposed(plgpu, k_smem.at[slot]))
+                        pass_turn()  # the other group's P V runs while this one's S lands
+                        return acc_ref[...]
 
-                qk = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32))
+                    qk = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32))
+                else:  # the interpreter: the same product from the same shared memory
+                    qk = lax.dot_general(q_tile[...], k_smem.at[slot][...],
+                                         (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+                    pass_turn()
                 plgpu.barrier_arrive(k_free.at[slot])
                 if mode == "masked":
-                    pos = q0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 0,
-                                                      layout=plgpu.Layout.WGMMA)
-                    key = key0 + plgpu.broadcasted_iota(jnp.int32, qk.shape, 1,
-                                                        layout=plgpu.Layout.WGMMA)
+                    pos, key = q0 + iota(qk.shape, 0), key0 + iota(qk.shape, 1)
                     s_ = jnp.where(pln.visible(pos, key), qk * scale_log2, -jnp.inf)
                     m_new = jnp.maximum(m, s_.max(axis=1))
                     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that saw nothing
@@ -246,18 +279,22 @@ def flash_call(q, k, v, extra=(), *, plan: Callable, grid: tuple[int, ...],
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(turn)
 
-                def values(acc_ref):
-                    plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-                    wait_next_k()  # while P V runs
+                if interpret is None:  # accumulated in place by the tensor cores
+                    def values(acc_ref):
+                        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                        wait_next_k()  # while P V runs
 
-                acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                    acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                else:
+                    acc = acc + jnp.dot(p, v_smem.at[slot][...],
+                                        preferred_element_type=jnp.float32)
+                    wait_next_k()
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
-            m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
-                                  plgpu.Layout.WGMMA.reduce(1))
-            l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32), plgpu.Layout.WGMMA)
+            m = with_layout(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = with_layout(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = with_layout(jnp.zeros((bq, h), jnp.float32), plgpu.Layout.WGMMA)
             carry = (acc, m, l)
             plgpu.barrier_wait(q_ready.at[wg])
 
@@ -305,6 +342,15 @@ def flash_call(q, k, v, extra=(), *, plan: Callable, grid: tuple[int, ...],
                 plgpu.barrier_wait(v_free.at[slot])
                 copy(block, slot, v_ready, v_ref, v_smem)
 
+            # Observe the last releases too (the compute groups finish after them anyway): every
+            # barrier phase is then waited on by the thread that waits on its others, which
+            # Pallas's interpreter checks.
+            @pl.loop(jnp.maximum(total - stages, 0), total)
+            def _(i):
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
     def entry(q_ref, k_ref, v_ref, *refs):
         *extra_refs, o_ref, lse_ref = refs
         tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -330,6 +376,7 @@ def flash_call(q, k, v, extra=(), *, plan: Callable, grid: tuple[int, ...],
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
     )(q, k, v, *extra)
     return out, jnp.swapaxes(lse, 1, 2)
 
@@ -486,6 +533,7 @@ def attention(q, k, v, *, causal=True, scale=None, q_offset=0, window=None, sink
         q, k, v, causal=causal, scale=scale, q_offset=q_offset, window=window, sinks=sinks,
         kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         config=config)
-    check_device()
+    if not config.interpret:
+        check_device()
     return _attention(q, k, v, causal=bool(causal), scale=scale, window=window, sinks=sinks,
                       config=config)

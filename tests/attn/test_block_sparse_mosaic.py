@@ -1,5 +1,6 @@
-"""The Mosaic GPU block-sparse kernel: refusals on the CPU (no Mosaic GPU interpreter), the kernel
-against the reference on the GPU (the Triton kernel's seed geometry: blocks of 128, bf16)."""
+"""The Mosaic GPU block-sparse kernel: refusals and the kernel in Pallas's Mosaic GPU interpreter on
+the CPU, compiled on the GPU (the Triton kernel's seed geometry: blocks of 128, bf16), against the
+reference."""
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,22 @@ def test_refusals_name_the_value(shape, options, match):
     q, k, v, modes, bm, _ = _problem(rng(0), **dims)
     with pytest.raises(NotImplementedError, match=match):
         kernel.block_sparse_attention(q, k, v, modes, bm, block_size=dims["bs"], **options)
+
+
+def test_interpreted_kernel_matches_reference():
+    """Pallas's Mosaic GPU interpreter on the CPU: every mode, an empty list row and the
+    diagonal's masked step (blocks of 128: two query tiles of two heads)."""
+    q, k, v, modes, bm, _ = _problem(rng(3), b=1, t=256, s=256, n=2, kh=1, bs=128, h=64, hv=64,
+                                     dtype=jnp.bfloat16, density=0.5)
+    modes = jnp.asarray([[1, -1]], jnp.int32)
+    bm = bm.at[0, 0, 0].set(False)  # head 0, tile 0: nothing (0 and -inf)
+    bm = bm.at[0, 0, 1].set(jnp.asarray([False, True]))  # head 0, tile 1: the diagonal only
+    opts = dict(block_size=128, sink_blocks=1, local_blocks=1)
+    out, lse = kernel.block_sparse_attention(q, k, v, modes, bm, interpret=True, **opts)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    exp_out, exp_lse = block_sparse_attention(*f32, modes, bm, implementation="xla", **opts)
+    assert_close(out, exp_out, dtype=jnp.bfloat16)
+    assert_close(lse, exp_lse, atol=1e-2, rtol=1e-3, allow_neg_inf=True)
 
 
 @pytest.mark.gpu

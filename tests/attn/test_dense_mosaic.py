@@ -1,5 +1,7 @@
-"""The Mosaic GPU flash forward: its step ranges and refusals on the CPU (Mosaic GPU has no CPU
-interpreter), the kernel against the dense reference on the GPU."""
+"""The Mosaic GPU flash forward: its step ranges and refusals on the CPU, the kernel in Pallas's
+Mosaic GPU interpreter on the CPU and compiled on the GPU, against the dense reference."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +114,31 @@ def test_window_sinks_become_static():
                                   **args) == (64, 8)
     assert mosaic.check_supported(q, k, v, window=0, sinks=8, **args) == (0, 0)
     assert mosaic.check_supported(q, k, v, window=None, sinks=0, **args) == (0, 0)
+
+
+# CPU: the kernel in Pallas's Mosaic GPU interpreter (TMA copies, barriers, the ping-pong and
+# skipped steps simulated; the two products as jnp), small shapes: a program is 128 rows.
+
+INTERPRET_CASES = {
+    "causal-G2": (dict(b=1, t=256, s=256, kh=1, g=2, h=64), dict(), mosaic.Config()),
+    # 64-key steps: the two compute groups' windows start and end in different steps, so both
+    # skip steps; sinks that end inside a step.
+    "window100-sink17-skips": (dict(b=1, t=384, s=384, kh=1, g=1, h=64),
+                               dict(window=100, sinks=17), mosaic.Config(block_kv=64, stages=3)),
+    "full-S!=T": (dict(b=1, t=128, s=384, kh=1, g=2, h=64), dict(causal=False), mosaic.Config()),
+}
+
+
+@pytest.mark.parametrize("case", list(INTERPRET_CASES))
+def test_interpreted_kernel_matches_reference(case):
+    dims, options, config = INTERPRET_CASES[case]
+    q, k, v = _qkv(rng(7), **dims)
+    options = dict(causal=True) | options
+    got = mosaic.attention(q, k, v, config=dataclasses.replace(config, interpret=True), **options)
+    want = attention(*(x.astype(jnp.float32) for x in (q, k, v)), implementation="xla",
+                     **options)
+    assert_close(got[0].astype(jnp.float32), want[0], atol=2e-2, rtol=2e-2, err_msg="out")
+    assert_close(got[1], want[1], atol=2e-3, rtol=2e-3, err_msg="lse")
 
 
 # GPU: compiled, against the reference (float32 math on the bf16 inputs).
