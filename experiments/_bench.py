@@ -334,6 +334,22 @@ class Context:
             return time_ms(fn, *args, iters=1, trials=1, warmup=1)
         return time_ms(fn, *args, **({"budget_s": self.budget_s} | knobs))
 
+    def time_ours(self, triton_fn: Callable, mosaic_fn: Callable, *args) -> dict:
+        """Our kernel as `implementation="auto"` picks it: `mosaic_fn(*args)` where it runs (a
+        Hopper GPU and options it takes), else `triton_fn(*args)`; the Triton one is timed
+        either way. Returns `ms`, `out` and `impl` of ours, `triton_ms` / `triton_out`, and
+        `mosaic_note` (why not Mosaic) or `rel_err_triton_vs_mosaic`."""
+        triton_out = triton_fn(*args)
+        triton_ms = self.time(triton_fn, *args)
+        got = dict(ms=triton_ms, out=triton_out, impl="triton", triton_ms=triton_ms,
+                   triton_out=triton_out)
+        try:
+            out = mosaic_fn(*args)
+        except NotImplementedError as e:  # Mosaic refuses: the Triton kernel is ours
+            return got | dict(mosaic_note=str(e).splitlines()[0])
+        return got | dict(ms=self.time(mosaic_fn, *args), out=out, impl="mosaic",
+                          rel_err_triton_vs_mosaic=rel_err(triton_out, out))
+
     def time_torch(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         """`time_torch_ms` with this context's knobs."""
         if self.smoke:

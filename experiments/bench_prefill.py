@@ -87,20 +87,17 @@ def _ours_timed(ctx, q, k, v, **options):
     Returns:
       `(ms, out, fields)`: the time and output of the kernel `fields["impl"]` names.
     """
-    triton_fn = _ours(ctx.config, **options)
-    triton_out = triton_fn(q, k, v)
-    triton_ms = ctx.time(triton_fn, q, k, v)
-    fields = {"triton_ms": round(triton_ms, 4), "triton_config": _config_dict(ctx, q.shape[-1])}
     mosaic_fn = jax.jit(lambda q, k, v: dense_mosaic.attention(q, k, v, **options)[0])
-    try:
-        out = mosaic_fn(q, k, v)
-    except NotImplementedError as e:  # no Hopper GPU (or options it refuses): Triton is ours
-        return triton_ms, triton_out, fields | {"impl": "triton", "config": fields["triton_config"],
-                                                "mosaic_note": _first_line(e)}
-    ms = ctx.time(mosaic_fn, q, k, v)
-    return ms, out, fields | {
-        "impl": "mosaic", "config": dataclasses.asdict(dense_mosaic.default_config(q.shape[-1])),
-        "rel_err_triton_vs_mosaic": round(_bench.rel_err(triton_out, out), 5)}
+    got = ctx.time_ours(_ours(ctx.config, **options), mosaic_fn, q, k, v)
+    triton_config = _config_dict(ctx, q.shape[-1])
+    fields = {"impl": got["impl"], "triton_ms": round(got["triton_ms"], 4),
+              "triton_config": triton_config}
+    if got["impl"] == "mosaic":
+        fields["config"] = dataclasses.asdict(dense_mosaic.default_config(q.shape[-1]))
+        fields["rel_err_triton_vs_mosaic"] = round(got["rel_err_triton_vs_mosaic"], 5)
+    else:
+        fields |= {"config": triton_config, "mosaic_note": got["mosaic_note"]}
+    return got["ms"], got["out"], fields
 
 
 def _cudnn(k_heads_ok: bool, **options):

@@ -76,14 +76,10 @@ def _dense(args, ctx, s: int) -> dict:
 
     def measure():
         q, k, v = _bench.qkv(s, 1, s, n, kh, h)
-        flash = jax.jit(lambda q, k, v: dense_triton.attention(q, k, v, config=ctx.config)[0])
-        triton_ms = ctx.time(flash, q, k, v)
-        fastest = jax.jit(lambda q, k, v: dense_mosaic.attention(q, k, v)[0])
-        try:
-            fastest(q, k, v)
-        except NotImplementedError:  # no Hopper GPU: the Triton kernel is our dense
-            return dict(ms=triton_ms, impl="triton", triton_ms=triton_ms)
-        return dict(ms=ctx.time(fastest, q, k, v), impl="mosaic", triton_ms=triton_ms)
+        got = ctx.time_ours(
+            jax.jit(lambda q, k, v: dense_triton.attention(q, k, v, config=ctx.config)[0]),
+            jax.jit(lambda q, k, v: dense_mosaic.attention(q, k, v)[0]), q, k, v)
+        return {key: got[key] for key in ("ms", "impl", "triton_ms")}
     return ctx.once(("dense", s, n, kh, h), measure)
 
 
@@ -121,21 +117,11 @@ def _sparse_case(args, ctx, s: int, density: float, q, k, v) -> dict:
         def run(impl):
             return jax.jit(lambda q, k, v, mask: block_sparse_attention(
                 q, k, v, modes, mask, block_size=bs, implementation=impl)[0])
-        triton_run = run("triton")
-        out = triton_run(q, k, v, mask)
-        triton_ms = ctx.time(triton_run, q, k, v, mask)
-        case = dict(ms=triton_ms, impl="triton", triton_ms=triton_ms, pairs=pairs,
-                    density=float(eff.sum() / (n * sb * (sb + 1) / 2)))
-        try:  # ours is what `implementation="auto"` runs: the Mosaic GPU kernel on Hopper
-            mosaic_run = run("mosaic")
-            mosaic_out = mosaic_run(q, k, v, mask)
-        except NotImplementedError:
-            pass
-        else:
-            case |= dict(ms=ctx.time(mosaic_run, q, k, v, mask), impl="mosaic",
-                         rel_err_triton_vs_mosaic=_bench.rel_err(out, mosaic_out))
-            out = mosaic_out
-        return case | dict(out=out if density >= 1.0 else None)
+        got = ctx.time_ours(run("triton"), run("mosaic"), q, k, v, mask)
+        case = {key: got[key] for key in ("ms", "impl", "triton_ms", "rel_err_triton_vs_mosaic")
+                if key in got}
+        return case | dict(pairs=pairs, density=float(eff.sum() / (n * sb * (sb + 1) / 2)),
+                           out=got["out"] if density >= 1.0 else None)
     return ctx.once(("sparse", s, density, n, h, bs), measure)
 
 

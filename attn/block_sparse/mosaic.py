@@ -17,7 +17,8 @@ L2), then query tiles (longest lists first), then KV heads, then requests, as th
 Supports: `T == S`, full lengths (no `q_lengths` / `kv_lengths` shorter than the arrays),
 `block_size` 128, `H == Hv` in {64, 128}, bf16 / f16, `T` a multiple of 128. Anything else raises
 NotImplementedError (the public API then runs the Triton kernel). Forward only; the public op
-takes its gradient from the reference, as the Triton kernel does.
+takes its gradient from the reference, as the Triton kernel does. On a CPU it runs in Pallas's
+Mosaic GPU interpreter with `interpret=True` (the tests; see `attn.dense.mosaic.Config`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ integer arithmetic, checked on the CPU against a brute-force visibility count.
 The program-independent part is `flash_call`: it runs the schedule above over whatever list a
 `Plan` gives each program (its request, heads, first row, number of steps, the key block of each
 step, the compute groups' runs of whole / masked / skipped steps and the token rule of the masked
-ones). The dense plan is `_kernel_call`'s; `attn/block_sparse/mosaic.py` walks block lists with it.
+ones). The dense plan is `_forward`'s; `attn/block_sparse/mosaic.py` walks block lists with it.
 
 Programs: the grid is (query head, query tile, request), heads fastest (the group of a KV head
 reads the same K / V while it is in L2), the last (longest causal) query tiles first. The lse is
@@ -386,8 +386,7 @@ def flash_call(q, k, v, extra=(), *, plan: Callable, grid: tuple[int, ...],
     return out, jnp.swapaxes(lse, 1, 2)
 
 
-def _kernel_call(q, k, v, *, scale: float, causal: bool, window: int, sinks: int,
-                 config: Config):
+def _forward(q, k, v, *, causal: bool, scale: float, window: int, sinks: int, config: Config):
     """The dense forward: programs over (query head, query tile, request), the list of each
     program its sink steps then its window (`step_ranges`)."""
     b, t, n, _ = q.shape
@@ -427,11 +426,11 @@ def _kernel_call(q, k, v, *, scale: float, causal: bool, window: int, sinks: int
 
 
 def check_device() -> None:
-    """Raise NotImplementedError unless the default device is a Hopper GPU (the kernels issue
-    wgmma; there is no CPU interpreter for Mosaic GPU)."""
+    """Raise NotImplementedError unless the default device is a Hopper GPU (the compiled kernels
+    issue wgmma; elsewhere only `Config(interpret=True)` runs them)."""
     if not on_gpu():
-        raise NotImplementedError("Mosaic GPU kernels need a CUDA GPU (Hopper); there is no CPU "
-                                  "interpreter for Mosaic GPU")
+        raise NotImplementedError("Mosaic GPU kernels need a CUDA GPU (Hopper) to compile; on a "
+                                  "CPU they run only in the interpreter (Config(interpret=True))")
     capability = str(getattr(jax.devices()[0], "compute_capability", ""))
     if not capability.startswith("9."):
         raise NotImplementedError(f"Mosaic GPU kernels need Hopper (sm_90, wgmma); this GPU has "
@@ -481,11 +480,6 @@ def check_supported(q, k, v, *, causal: bool, scale: float, q_offset, window, si
     window = max(window, 0)
     sinks = _static_per_head("sinks", sinks, kh) if window else 0
     return window, max(sinks, 0)
-
-
-def _forward(q, k, v, *, causal, scale, window, sinks, config):
-    return _kernel_call(q, k, v, scale=scale, causal=causal, window=window, sinks=sinks,
-                        config=config)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
