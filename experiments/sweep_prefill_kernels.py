@@ -28,6 +28,7 @@ A config is `block_m-block_n-warps-stages`, `-ws` appended for a warp-specialise
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -139,7 +140,11 @@ def xattn(quick):
                 ("fp8 k128 s3", C(fp8=True, block_k=128)),
                 # Wider tiles: more FLOPs per byte of the q / k slices read from L2.
                 ("fp8 128x256", C(fp8=True, block_k=128, block_c=256)),
-                ("fp8 api", xattn_triton.FP8_CONFIG)]
+                ("fp8 api", xattn_triton.FP8_CONFIG),
+                # The Mosaic GPU score kernel (TMA, warp-specialised; full lengths only).
+                *((f"fp8 mosaic {bc} s{st}", C(fp8=True, block_k=128, block_c=bc, mosaic=True,
+                                                 mosaic_stages=st))
+                  for bc, st in ((256, 3), (256, 4), (128, 4)))]
     for s in seqs:
         q, k, _ = _bench.qkv(s + 7, 1, s, n, kh, h)
         base = None
@@ -147,8 +152,12 @@ def xattn(quick):
             fn = jax.jit(lambda q, k, cfg=cfg: xattn_triton.xattn_estimate(
                 q, k, block_size=128 if not quick else 16, stride=16 if not quick else 4,
                 threshold=0.9, config=cfg))
-            sums, mask = fn(q, k)
-            ms = _time(fn, q, k, quick=quick)
+            try:
+                sums, mask = fn(q, k)
+                ms = _time(fn, q, k, quick=quick)
+            except Exception as e:  # a variant that does not compile: report and go on
+                print(f"S{s} {name:12} failed: {str(e).splitlines()[0][:200]}", flush=True)
+                continue
             base = base or (ms, sums, mask)
             agree = float(jnp.mean(mask == base[2]))
             print(f"S{s} {name:12} {ms:8.3f} ms  {base[0] / ms:5.2f}x bf16  mask agreement "
@@ -187,11 +196,18 @@ def _xattn_parts(q, k, s, quick):
               f"{tbs / ceiling:.2f} of copy", flush=True)
     for name, cfg in (("bf16", xattn_triton.Config()),
                       ("fp8", xattn_triton.Config(fp8=True, block_k=128)),
-                      ("fp8 api", xattn_triton.FP8_CONFIG)):
+                      ("fp8 api", xattn_triton.FP8_CONFIG),
+                      ("fp8 mosaic", dataclasses.replace(xattn_triton.FP8_CONFIG, mosaic=True))):
+        if cfg.mosaic and quick:
+            continue  # full lengths and aligned shapes only
         fn = jax.jit(lambda q, k, n, cfg=cfg: xattn_triton.block_sums(
             q, k, 1.0, n, n, block_size=bs, stride=st, config=cfg))
-        print(f"S{s} parts block_sums {name:8} {_time(fn, q, k, lengths, quick=quick):8.3f} ms",
-              flush=True)
+        try:
+            ms = _time(fn, q, k, lengths, quick=quick)
+        except Exception as e:
+            print(f"S{s} parts block_sums {name:8} failed: {str(e).splitlines()[0][:200]}")
+            continue
+        print(f"S{s} parts block_sums {name:8} {ms:8.3f} ms", flush=True)
 
 
 @triton.jit

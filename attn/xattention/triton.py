@@ -113,6 +113,14 @@ class Config:
     # The threshold selection in XLA (`reference.find_blocks`, two sorts) instead of the
     # kernel (`select_blocks_kernel`: the same rule, float32 sums in the kernel's order).
     select_xla: bool = False
+    # With fp8: the scores in the Mosaic GPU kernel (`attn/xattention/mosaic.py`; TMA loads,
+    # warp-specialised), where it applies (full lengths, H = 128, block / stride = 8, aligned
+    # T and S); `xattn_estimate` falls back to the Triton score kernel elsewhere. `block_c`
+    # is then the Mosaic kernel's (128 or 256).
+    mosaic: bool = False
+    # The Mosaic kernel's slices in flight and interpreter switch (the CPU tests).
+    mosaic_stages: int = 3
+    mosaic_interpret: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_r", "block_c", "block_k"))
@@ -120,6 +128,16 @@ class Config:
             raise ValueError(f"scratch_bytes={self.scratch_bytes} must be positive")
         if self.fp8 and self.block_k < 32:  # an fp8 MMA reduces over 32 elements
             raise ValueError(f"block_k={self.block_k} must be >= 32 with fp8")
+        if self.mosaic and not self.fp8:
+            raise ValueError("mosaic=True needs fp8=True (the Mosaic kernel is the e4m3 GEMM)")
+        if self.mosaic:
+            self.mosaic_config()  # validates block_c and mosaic_stages
+
+    def mosaic_config(self):
+        from attn.xattention import mosaic
+
+        return mosaic.Config(block_c=self.block_c, stages=self.mosaic_stages,
+                             interpret=self.mosaic_interpret)
 
 
 @triton.jit
@@ -268,6 +286,8 @@ def _block_sums_kernel(
     NT: tl.constexpr,  # column tiles of the score kernel
     BLOCK_NT: tl.constexpr,  # of them per step
     TILE_COLS: tl.constexpr,  # reduced columns per column tile
+    TILE_ROW_STRIDE: tl.constexpr,  # tile_lse [BN, RT, NT] (Triton scores): NT, 1;
+    TILE_STRIDE: tl.constexpr,  # [BN, NT, RT] (Mosaic scores): 1, RT
 ):
     bn_local = tl.program_id(1)
     b = (tl.load(bn0_ptr) + bn_local) // N
@@ -282,14 +302,16 @@ def _block_sums_kernel(
 
     mx = tl.full([QB * R], float("-inf"), tl.float32)
     l = tl.zeros([QB * R], tl.float32)
-    tiles = tile_lse_ptr + (bn_local.to(tl.int64) * RT + m[:, None]) * NT  # [QB * R, 1]
+    tiles = (tile_lse_ptr + bn_local.to(tl.int64) * (RT * NT)
+             + m[:, None] * TILE_ROW_STRIDE)  # [QB * R, 1]
     for t0 in range(0, NT, BLOCK_NT):  # each row's log2-sum-exp2 over its visible tiles
         t = t0 + tl.arange(0, BLOCK_NT)
         # Tile t holds a visible column of row m iff its first column does.
         c = t * TILE_COLS
         vis = ((c[None, :] <= m[:, None] + shift) & (c < valid_cols)[None, :] & (t < NT)[None, :]
                & row_ok[:, None])
-        x = tl.load(tiles + t[None, :], mask=vis, other=float("-inf"))  # [QB * R, BLOCK_NT]
+        x = tl.load(tiles + t[None, :] * TILE_STRIDE, mask=vis,
+                    other=float("-inf"))  # [QB * R, BLOCK_NT]
         m_new = tl.maximum(mx, tl.max(x, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         l = l * tl.exp2(mx - m_use) + tl.sum(tl.exp2(x - m_use[:, None]), 1)
@@ -428,19 +450,29 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
     for bn0 in range(0, b * n, pairs_per_launch):
         count = min(pairs_per_launch, b * n - bn0)
         first = jnp.full((1,), bn0, jnp.int32)
-        lse, tile_lse = triton_call(
-            q, k, q_len, kv_len, *geometry, jnp.asarray(tiles), scale, q_scale, k_scale, first,
-            kernel=_tile_lse_kernel,
-            out_shape=(jax.ShapeDtypeStruct((count, tb * r, sb), jnp.float32),
-                       jax.ShapeDtypeStruct((count, tb * r, nt), jnp.float32)),
-            grid=(tiles.shape[0], count),
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            T=t, S=s, K=kh, G=n // kh, H=h, ST=stride, R=r, RT=tb * r, SB=sb,
-            BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_K=block_k, BLOCK_H=block_h,
-            PRECISION=precision, FP8=config.fp8,
-            WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8, NT=nt,
-        )
+        if config.mosaic:  # full lengths (checked by `xattn_estimate`)
+            from attn.xattention import mosaic
+
+            lse, tile_lse = mosaic.scores(
+                q, k, q_scale * scale[0], k_scale, stride=stride, block_size=block_size,
+                first=bn0, count=count, config=config.mosaic_config())
+            tile_strides = (1, tb * r)
+        else:
+            lse, tile_lse = triton_call(
+                q, k, q_len, kv_len, *geometry, jnp.asarray(tiles), scale, q_scale, k_scale,
+                first,
+                kernel=_tile_lse_kernel,
+                out_shape=(jax.ShapeDtypeStruct((count, tb * r, sb), jnp.float32),
+                           jax.ShapeDtypeStruct((count, tb * r, nt), jnp.float32)),
+                grid=(tiles.shape[0], count),
+                num_warps=config.num_warps,
+                num_stages=config.num_stages,
+                T=t, S=s, K=kh, G=n // kh, H=h, ST=stride, R=r, RT=tb * r, SB=sb,
+                BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_K=block_k, BLOCK_H=block_h,
+                PRECISION=precision, FP8=config.fp8,
+                WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8, NT=nt,
+            )
+            tile_strides = (nt, 1)
         parts.append(triton_call(
             lse, tile_lse, *geometry, first,
             kernel=_block_sums_kernel,
@@ -451,7 +483,7 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
             N=n, R=r, RT=tb * r, TB=tb, SB=sb, QB=qb,
             BLOCK_J=max(16, min(triton.next_power_of_2(sb), _FIXUP_ELEMENTS // (qb * r))),
             NT=nt, BLOCK_NT=min(triton.next_power_of_2(nt), max(1, _FIXUP_ELEMENTS // (qb * r))),
-            TILE_COLS=block_c,
+            TILE_COLS=block_c, TILE_ROW_STRIDE=tile_strides[0], TILE_STRIDE=tile_strides[1],
         ))
     sums = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     return sums.reshape(b, n, tb, sb)
@@ -564,5 +596,15 @@ def xattn_estimate(q, k, *, block_size=128, stride=16, threshold=0.9, norm=1.0, 
       NotImplementedError: see `check_supported`.
     """
     check_supported(q)
+    config = config or Config()
+    if config.mosaic:
+        from attn.xattention import mosaic
+
+        try:
+            mosaic.check_supported(q, k, block_size=block_size, stride=stride,
+                                   q_lengths=q_lengths, kv_lengths=kv_lengths,
+                                   config=config.mosaic_config())
+        except NotImplementedError:
+            config = dataclasses.replace(config, mosaic=False)
     return _estimate(q, k, jnp.float32(threshold), jnp.float32(norm), q_lengths, kv_lengths,
-                     block_size=block_size, stride=stride, config=config or Config())
+                     block_size=block_size, stride=stride, config=config)

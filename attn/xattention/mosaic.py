@@ -1,0 +1,279 @@
+"""Mosaic GPU XAttention score kernel (Hopper, e4m3): the reduced GEMM of `triton.py`'s fp8 path
+with TMA loads and warp-specialised programs.
+
+Why: the Triton score kernel (cp.async gathers, no warp specialisation) runs the e4m3 GEMM at
+~0.8 PFLOP/s; 128 x 128 and 128 x 256 tiles took the same time (benchmarks/NOTES.md, session 5),
+so it is not bound by the tiles' L2 traffic but by its own pipeline. This kernel computes the
+same outputs as `triton._tile_lse_kernel` (the per-(reduced row, key block) log2-sum-exp2 scratch
+and the per-(row, column tile) ones) for `triton._block_sums_kernel` to finish:
+
+- One program per causally reachable `[128, block_c]` tile of reduced scores of one query head
+  (a static table, longest row tiles first; programs of one head adjacent, so its q and k stay
+  in L2). Three warp groups: a TMA group fills a ring of `stages` slots, each slot one stride
+  slice `i` (128 e4m3 features = one token row of one head): q rows `m·st + st-1-i` of the tile
+  (`[128, H]`) and k rows `c·st + i` (`[block_c, H]`), read through a `[B, T/st, st, N, H]` view,
+  so the antidiagonal gather is the TMA box's row stride. Two compute warp groups (64 reduced
+  rows each) issue one `e4m3 x e4m3 -> f32` wgmma per slice on the shared k slice and release
+  the slot (two arrivals).
+- Epilogue per compute group: scores times the q row scales (the score scale folded in) and the
+  k column scales, the causal rule `c <= m + shift`, the row maximum, `p = 2^(s - max)`; the
+  block sums `Σ_{c in block} p` as one more wgmma, `p` (f16, registers) times a 0/1 matrix
+  `E [block_c, block_c / R]` in shared memory (f32 accumulation); then `max + log2(sum)` stored
+  by TMA to the scratch, and the tile's row log-sum-exp (`[BN, NT, RT]`, rows contiguous).
+
+Supports (else NotImplementedError; the caller runs the Triton kernel): full lengths, `H = 128`,
+`block_size / stride = 8`, `T` a multiple of `128·stride`, `S` of `block_c·stride`, `T <= S`
+(queries at the end of the keys). A Hopper GPU; on the CPU it runs in Pallas's Mosaic GPU
+interpreter with `interpret=True` (the wgmmas as `jnp` products of the same shared-memory tiles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from attn import _checks
+from attn.dense import mosaic as dense_mosaic
+
+_ROWS = 128  # reduced rows a program: two compute warp groups of 64
+_HEAD_DIM = 128  # one slice = one 128-byte e4m3 row = the 128-byte swizzle
+_R = 8  # reduced columns per key block (block_size / stride)
+_COMPUTE_REGISTERS, _MEMORY_REGISTERS = 232, 40
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """`block_c` reduced key columns a program (64 x `block_c` f32 accumulators per compute
+    group), `stages` slices in flight."""
+
+    block_c: int = 256
+    stages: int = 3
+    # Pallas's Mosaic GPU interpreter (the CPU tests), not compiled.
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.block_c not in (128, 256):  # E's rows (block_c / R f16) need a >= 32 B swizzle
+            raise ValueError(f"block_c={self.block_c} must be 128 or 256")
+        if self.stages < 2:
+            raise ValueError(f"stages={self.stages} must be >= 2")
+
+
+def check_supported(q, k, *, block_size: int, stride: int, q_lengths, kv_lengths,
+                    config: Config, device: bool = True) -> None:
+    """Raise NotImplementedError, naming the value, for what this kernel does not do (`device`:
+    also without a Hopper GPU)."""
+    def refuse(why):
+        raise NotImplementedError(f"Mosaic GPU XAttention scores: {why}")
+
+    (_, t, _, h), s = q.shape, k.shape[1]
+    if h != _HEAD_DIM:
+        refuse(f"H={h}: only {_HEAD_DIM}")
+    if block_size // stride != _R:
+        refuse(f"block_size={block_size}, stride={stride}: needs block_size / stride = {_R}")
+    if t % (_ROWS * stride) or s % (config.block_c * stride) or t > s:
+        refuse(f"T={t}, S={s}: needs T a multiple of {_ROWS * stride}, S of "
+               f"{config.block_c * stride} and T <= S")
+    for name, lengths, full in (("q_lengths", q_lengths, t), ("kv_lengths", kv_lengths, s)):
+        if lengths is None:
+            continue
+        got = _checks.concrete(lengths)
+        if got is None or np.any(got != full):
+            refuse(f"{name}={lengths!r}: only the full length {full}")
+    if device and not config.interpret:
+        dense_mosaic.check_device()
+
+
+@functools.cache
+def tile_table(rows: int, cols: int, block_c: int) -> np.ndarray:
+    """`[num_tiles, 2]` int32 `(row tile, column tile)` of the causal reduced scores, row tiles of
+    `_ROWS` from the top (longest first): row tile `i` sees columns `<= (i + 1)·_ROWS - 1 +
+    shift` with `shift = cols - rows`."""
+    shift = cols - rows
+    pairs = [(i, j) for i in reversed(range(rows // _ROWS))
+             for j in range(min((i + 1) * _ROWS + shift - 1, cols - 1) // block_c + 1)]
+    return np.asarray(pairs, np.int32).reshape(-1, 2)
+
+
+def block_matrix(block_c: int) -> np.ndarray:
+    """`E [block_c, block_c / R]` f16: `E[c, j] = 1` iff column `c` lies in key block `j`."""
+    return (np.arange(block_c)[:, None] // _R == np.arange(block_c // _R)[None, :]).astype(
+        np.float16)
+
+
+def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int, count: int,
+           config: Config):
+    """Per-block and per-tile log2-sum-exp2 of the scaled reduced scores, as
+    `triton._tile_lse_kernel` (full lengths).
+
+    Args:
+      q8: `[B, T, N, H]` e4m3; `k8`: `[B, S, K, H]` e4m3.
+      q_scale: `[B, N, T/st]` f32 e4m3 scale of each reduced row times the score scale
+        (`log2(e) / sqrt(H) / st / norm`); `k_scale`: `[B, K, S/st]` f32.
+      first, count: the flat (request, head) pairs `[first, first + count)` of this launch.
+
+    Returns:
+      `(lse [count, T/st, S/block_size], tile_lse [count, NT, T/st])` f32, `-inf` where a row
+      sees nothing of the block / tile; entries of blocks past a row tile's reach unwritten.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    b, t, n, h = q8.shape
+    s, kh = k8.shape[1], k8.shape[2]
+    g, st, bc, stages = n // kh, stride, config.block_c, config.stages
+    rows, cols = t // st, s // st
+    shift, cb, nt, sb = cols - rows, bc // _R, cols // bc, s // block_size
+    tiles = tile_table(rows, cols, bc)
+    interpret = dense_mosaic._interpret_params() if config.interpret else None
+    q5 = q8.reshape(b, rows, st, n, h)
+    k5 = k8.reshape(b, cols, st, kh, h)
+
+    if interpret is None:
+        def load(ref, layout):
+            return plgpu.load(ref, (), layout=layout, optimized=False)
+
+        def iota(shape, dim):
+            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+    else:
+        def load(ref, layout):
+            del layout
+            return ref[...]
+
+        def iota(shape, dim):
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+    def kernel(q_ref, k_ref, qs_ref, ks_ref, e_ref, tiles_ref, lse_ref, tile_lse_ref, scoped):
+        (q_smem, k_smem, e_smem, lse_smem, row_smem), (q_ready, k_ready, e_ready), free = scoped
+        wg = lax.axis_index("wg")
+        tile = lax.axis_index("tiles")
+        pair = lax.axis_index("pairs")
+        bi, head = (first + pair) // n, lax.rem(first + pair, n)
+        kv_head = head // g
+        col_tile = tiles_ref[tile, 1]
+        m0, c0 = tiles_ref[tile, 0] * _ROWS, col_tile * bc
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+
+            @pl.when(wg == 0)
+            def _():
+                plgpu.copy_gmem_to_smem(e_ref, e_smem, e_ready)
+
+            row0 = m0 + wg * 64
+            if interpret is None:
+                def mainloop(acc_ref):
+                    @pl.loop(0, st)
+                    def _(i):
+                        slot = lax.rem(i, stages)
+                        plgpu.barrier_wait(q_ready.at[slot])
+                        plgpu.barrier_wait(k_ready.at[slot])
+                        plgpu.wgmma(acc_ref, q_smem.at[slot, pl.ds(wg * 64, 64)],
+                                    dense_mosaic._transposed(plgpu, k_smem.at[slot]))
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(free.at[slot])
+
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(mainloop, plgpu.ACC((64, bc), jnp.float32))
+            else:  # the same products of the same shared-memory tiles
+                def step(i, acc):
+                    slot = lax.rem(i, stages)
+                    plgpu.barrier_wait(q_ready.at[slot])
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    qt = q_smem.at[slot, pl.ds(wg * 64, 64)][...].astype(jnp.float32)
+                    kt = k_smem.at[slot][...].astype(jnp.float32)
+                    acc = acc + lax.dot_general(qt, kt, (((1,), (1,)), ((), ())),
+                                                preferred_element_type=jnp.float32)
+                    plgpu.barrier_arrive(free.at[slot])
+                    return acc
+
+                acc = lax.fori_loop(0, st, step, jnp.zeros((64, bc), jnp.float32))
+
+            qs = load(qs_ref.at[bi, head, pl.ds(row0, 64)], plgpu.Layout.WGMMA.reduce(1))
+            ks = load(ks_ref.at[bi, kv_head, pl.ds(c0, bc)], plgpu.Layout.WGMMA.reduce(0))
+            a = (acc * lax.broadcast_in_dim(qs, acc.shape, [0])
+                 * lax.broadcast_in_dim(ks, acc.shape, [1]))
+            vis = c0 + iota(acc.shape, 1) <= row0 + shift + iota(acc.shape, 0)
+            a = jnp.where(vis, a, -jnp.inf)
+            mx = a.max(axis=1)
+            mx = jnp.where(mx == -jnp.inf, 0.0, mx)
+            p = jnp.exp2(a - lax.broadcast_in_dim(mx, a.shape, [0])).astype(jnp.float16)
+            plgpu.barrier_wait(e_ready)
+            if interpret is None:
+                def block_sums(ref):
+                    plgpu.wgmma(ref, p, e_smem)
+                    return ref[...]
+
+                blk = pl.run_scoped(block_sums, plgpu.ACC((64, cb), jnp.float32))
+            else:
+                blk = jnp.dot(p.astype(jnp.float32), e_smem[...].astype(jnp.float32))
+            mxb = lax.broadcast_in_dim(mx, blk.shape, [0])
+            lse_smem.at[wg][...] = jnp.where(
+                blk > 0.0, mxb + jnp.log2(jnp.where(blk > 0.0, blk, 1.0)), -jnp.inf)
+            row = blk.sum(axis=1)
+            row_smem.at[wg][...] = jnp.where(
+                row > 0.0, mx + jnp.log2(jnp.where(row > 0.0, row, 1.0)), -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                    lse_ref.at[pair, pl.ds(row0, 64), pl.ds(c0 // _R, cb)])
+            plgpu.copy_smem_to_gmem(row_smem.at[wg], tile_lse_ref.at[pair, col_tile,
+                                                                     pl.ds(row0, 64)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+            def copy(i, slot):
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(m0, _ROWS), st - 1 - i, head],
+                                        q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(c0, bc), i, kv_head],
+                                        k_smem.at[slot], k_ready.at[slot])
+
+            for i in range(min(stages, st)):
+                copy(i, i)
+
+            @pl.loop(0, max(st - stages, 0))
+            def _(i):
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(free.at[slot])
+                copy(i + stages, slot)
+
+            @pl.loop(max(st - stages, 0), st)  # observe the last releases (the interpreter)
+            def _(i):
+                plgpu.barrier_wait(free.at[lax.rem(i, stages)])
+
+    def entry(*refs):
+        fp8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+        pl.run_scoped(
+            lambda *scoped: kernel(*refs, scoped),
+            (plgpu.SMEM((stages, _ROWS, h), q8.dtype, transforms=fp8),
+             plgpu.SMEM((stages, bc, h), k8.dtype, transforms=fp8),
+             plgpu.SMEM((bc, cb), jnp.float16, transforms=(
+                 plgpu.TilingTransform((8, cb)), plgpu.SwizzleTransform(2 * cb))),
+             plgpu.SMEM((2, 64, cb), jnp.float32, transforms=(
+                 plgpu.TilingTransform((8, cb)), plgpu.SwizzleTransform(min(128, 4 * cb)))),
+             plgpu.SMEM((2, 64), jnp.float32)),
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier()),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((count, rows, sb), jnp.float32),
+                  jax.ShapeDtypeStruct((count, nt, rows), jnp.float32)),
+        grid=(tiles.shape[0], count),
+        grid_names=("tiles", "pairs"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(q5, k5, q_scale, k_scale, jnp.asarray(block_matrix(bc)), jnp.asarray(tiles))
