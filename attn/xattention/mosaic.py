@@ -221,7 +221,7 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
                 row > 0.0, mx + jnp.log2(jnp.where(row > 0.0, row, 1.0)), -jnp.inf)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(lse_smem.at[wg],
-                                    lse_ref.at[pair, pl.ds(row0, 64), pl.ds(c0 // _R, cb)])
+                                    lse_ref.at[pair, pl.ds(row0, 64), pl.ds(col_tile * cb, cb)])
             plgpu.copy_smem_to_gmem(row_smem.at[wg], tile_lse_ref.at[pair, col_tile,
                                                                      pl.ds(row0, 64)])
             plgpu.wait_smem_to_gmem(0)
