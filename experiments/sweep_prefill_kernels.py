@@ -133,7 +133,7 @@ def sparse(configs, quick):
 def xattn(quick):
     seqs = (256,) if quick else (65536, 131072)
     n, kh, h = (4, 2, 32) if quick else (N, KH, H)
-    C = xattn_triton.Config
+    C, MC = xattn_triton.Config, xattn_triton.mosaic_scores.Config
     # (Session 5 also timed warp specialisation, bf16 k128 s2, fp8 256 x 128, 4 stages and the
     # XLA selection, session 6 an f16 scratch: all slower or equal; benchmarks/NOTES.md.)
     variants = [("bf16", C()),
@@ -142,9 +142,9 @@ def xattn(quick):
                 ("fp8 128x256", C(fp8=True, block_k=128, block_c=256)),
                 ("fp8 api", xattn_triton.FP8_CONFIG),
                 # The Mosaic GPU score kernel (TMA, warp-specialised; full lengths only).
-                *((f"fp8 mosaic {bc} s{st}", C(fp8=True, block_k=128, block_c=bc, mosaic=True,
-                                                 mosaic_stages=st))
-                  for bc, st in ((256, 3), (256, 4), (128, 4)))]
+                *((f"fp8 mosaic {bc} s{st} c{cl}", C(fp8=True, block_k=128, mosaic=MC(
+                    block_c=bc, stages=st, cluster=cl)))
+                  for bc, st, cl in ((256, 3, 2), (256, 3, 1), (128, 4, 2)))]
     for s in seqs:
         q, k, _ = _bench.qkv(s + 7, 1, s, n, kh, h)
         base = None
@@ -197,8 +197,9 @@ def _xattn_parts(q, k, s, quick):
     for name, cfg in (("bf16", xattn_triton.Config()),
                       ("fp8", xattn_triton.Config(fp8=True, block_k=128)),
                       ("fp8 api", xattn_triton.FP8_CONFIG),
-                      ("fp8 mosaic", dataclasses.replace(xattn_triton.FP8_CONFIG, mosaic=True))):
-        if cfg.mosaic and quick:
+                      ("fp8 mosaic", dataclasses.replace(xattn_triton.FP8_CONFIG,
+                                                         mosaic=xattn_triton.mosaic_scores.Config()))):
+        if cfg.mosaic is not None and quick:
             continue  # full lengths and aligned shapes only
         fn = jax.jit(lambda q, k, n, cfg=cfg: xattn_triton.block_sums(
             q, k, 1.0, n, n, block_size=bs, stride=st, config=cfg))

@@ -53,6 +53,10 @@ class Config:
 
     block_c: int = 256
     stages: int = 3
+    # CTAs per cluster along the query heads: 2 runs the same tile of two query heads of one KV
+    # head on a CTA pair that multicasts each k slice (each loads half): 2/3 of the L2 reads.
+    # Needs an even group size; 1 otherwise.
+    cluster: int = 2
     # Pallas's Mosaic GPU interpreter (the CPU tests), not compiled.
     interpret: bool = False
 
@@ -61,6 +65,8 @@ class Config:
             raise ValueError(f"block_c={self.block_c} must be 128 or 256")
         if self.stages < 2:
             raise ValueError(f"stages={self.stages} must be >= 2")
+        if self.cluster not in (1, 2):
+            raise ValueError(f"cluster={self.cluster} must be 1 or 2")
 
 
 def check_supported(q, k, *, block_size: int, stride: int, q_lengths, kv_lengths,
@@ -126,6 +132,9 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
     b, t, n, h = q8.shape
     s, kh = k8.shape[1], k8.shape[2]
     g, st, bc, stages = n // kh, stride, config.block_c, config.stages
+    # (Pallas's interpreter has no cluster barriers: it runs the single-CTA schedule.)
+    paired = g % 2 == 0 and first % 2 == 0 and count % 2 == 0 and not config.interpret
+    cl = config.cluster if paired else 1
     rows, cols = t // st, s // st
     shift, cb, nt, sb = cols - rows, bc // _R, cols // bc, s // block_size
     tiles = tile_table(rows, cols, bc)
@@ -151,7 +160,7 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
         (q_smem, k_smem, e_smem, lse_smem, row_smem), (q_ready, k_ready, e_ready), free = scoped
         wg = lax.axis_index("wg")
         tile = lax.axis_index("tiles")
-        pair = lax.axis_index("pairs")
+        pair = lax.axis_index("pairs") * cl + (lax.axis_index("cluster") if cl > 1 else 0)
         bi, head = (first + pair) // n, lax.rem(first + pair, n)
         kv_head = head // g
         col_tile = tiles_ref[tile, 1]
@@ -234,7 +243,8 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
                 plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(m0, _ROWS), st - 1 - i, head],
                                         q_smem.at[slot], q_ready.at[slot])
                 plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(c0, bc), i, kv_head],
-                                        k_smem.at[slot], k_ready.at[slot])
+                                        k_smem.at[slot], k_ready.at[slot],
+                                        collective_axes="cluster" if cl > 1 else None)
 
             for i in range(min(stages, st)):
                 copy(i, i)
@@ -262,7 +272,10 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
              plgpu.SMEM((2, 64), jnp.float32)),
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier()),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            # Released by both compute groups of every CTA of the cluster.
+            plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2,
+                                 num_barriers=stages) if cl > 1
+            else plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             collective_axes="wg",
         )
 
@@ -270,8 +283,9 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
         entry,
         out_type=(jax.ShapeDtypeStruct((count, rows, sb), jnp.float32),
                   jax.ShapeDtypeStruct((count, nt, rows), jnp.float32)),
-        grid=(tiles.shape[0], count),
+        grid=(tiles.shape[0], count // cl),
         grid_names=("tiles", "pairs"),
+        **(dict(cluster=(cl,), cluster_names=("cluster",)) if cl > 1 else {}),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

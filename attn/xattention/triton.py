@@ -71,6 +71,7 @@ import triton.language as tl
 from attn import _checks
 from attn._harness import triton_call
 from attn.block_sparse.reference import _cdiv, _lengths, diagonal_blocks
+from attn.xattention import mosaic as mosaic_scores
 from attn.xattention import reference
 from attn.xattention.reference import dequantize_e4m3, quantize_e4m3  # noqa: F401 (tests)
 
@@ -113,14 +114,11 @@ class Config:
     # The threshold selection in XLA (`reference.find_blocks`, two sorts) instead of the
     # kernel (`select_blocks_kernel`: the same rule, float32 sums in the kernel's order).
     select_xla: bool = False
-    # With fp8: the scores in the Mosaic GPU kernel (`attn/xattention/mosaic.py`; TMA loads,
-    # warp-specialised), where it applies (full lengths, H = 128, block / stride = 8, aligned
-    # T and S); `xattn_estimate` falls back to the Triton score kernel elsewhere. `block_c`
-    # is then the Mosaic kernel's (128 or 256).
-    mosaic: bool = False
-    # The Mosaic kernel's slices in flight and interpreter switch (the CPU tests).
-    mosaic_stages: int = 3
-    mosaic_interpret: bool = False
+    # With fp8: the scores in the Mosaic GPU kernel of this configuration
+    # (`attn/xattention/mosaic.py`: TMA loads, warp-specialised, CTA pairs sharing k) where it
+    # applies (full lengths, H = 128, block / stride = 8, aligned T and S); `xattn_estimate`
+    # runs the Triton score kernel elsewhere. The block sums and the selection stay Triton's.
+    mosaic: mosaic_scores.Config | None = None
 
     def __post_init__(self):
         _checks.check_launch_config(self, tiles=("block_r", "block_c", "block_k"))
@@ -128,16 +126,8 @@ class Config:
             raise ValueError(f"scratch_bytes={self.scratch_bytes} must be positive")
         if self.fp8 and self.block_k < 32:  # an fp8 MMA reduces over 32 elements
             raise ValueError(f"block_k={self.block_k} must be >= 32 with fp8")
-        if self.mosaic and not self.fp8:
-            raise ValueError("mosaic=True needs fp8=True (the Mosaic kernel is the e4m3 GEMM)")
-        if self.mosaic:
-            self.mosaic_config()  # validates block_c and mosaic_stages
-
-    def mosaic_config(self):
-        from attn.xattention import mosaic
-
-        return mosaic.Config(block_c=self.block_c, stages=self.mosaic_stages,
-                             interpret=self.mosaic_interpret)
+        if self.mosaic is not None and not self.fp8:
+            raise ValueError("mosaic needs fp8=True (the Mosaic kernel is the e4m3 GEMM)")
 
 
 @triton.jit
@@ -427,6 +417,8 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
     tb, sb = _cdiv(t, block_size), _cdiv(s, block_size)
     block_h = max(16, triton.next_power_of_2(h))
     block_r, block_c = config.block_r, max(config.block_c, r)
+    if config.mosaic is not None:  # its column tiles (the block-sum kernel reads them)
+        block_c = config.mosaic.block_c
     block_k = min(config.block_k, stride * block_h)
     tiles = _tile_table(_cdiv(_cdiv(t, stride), block_r), _cdiv(s, stride), block_r, block_c)
     geometry = (_cdiv(kv_len - q_len, stride), _cdiv(q_len, stride), _cdiv(kv_len, stride))
@@ -446,16 +438,16 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
     nt = _cdiv(_cdiv(s, stride), block_c)  # column tiles
     pairs_per_launch = max(1, min(b * n, _MAX_GRID_Y,
                                   config.scratch_bytes // (tb * r * (sb + nt) * 4)))
+    if config.mosaic is not None and pairs_per_launch > 1:
+        pairs_per_launch -= pairs_per_launch % 2  # even splits: the CTA pairs
     parts = []
     for bn0 in range(0, b * n, pairs_per_launch):
         count = min(pairs_per_launch, b * n - bn0)
         first = jnp.full((1,), bn0, jnp.int32)
-        if config.mosaic:  # full lengths (checked by `xattn_estimate`)
-            from attn.xattention import mosaic
-
-            lse, tile_lse = mosaic.scores(
+        if config.mosaic is not None:  # full lengths (checked by `xattn_estimate`)
+            lse, tile_lse = mosaic_scores.scores(
                 q, k, q_scale * scale[0], k_scale, stride=stride, block_size=block_size,
-                first=bn0, count=count, config=config.mosaic_config())
+                first=bn0, count=count, config=config.mosaic)
             tile_strides = (1, tb * r)
         else:
             lse, tile_lse = triton_call(
@@ -597,14 +589,12 @@ def xattn_estimate(q, k, *, block_size=128, stride=16, threshold=0.9, norm=1.0, 
     """
     check_supported(q)
     config = config or Config()
-    if config.mosaic:
-        from attn.xattention import mosaic
-
+    if config.mosaic is not None:
         try:
-            mosaic.check_supported(q, k, block_size=block_size, stride=stride,
-                                   q_lengths=q_lengths, kv_lengths=kv_lengths,
-                                   config=config.mosaic_config())
+            mosaic_scores.check_supported(q, k, block_size=block_size, stride=stride,
+                                          q_lengths=q_lengths, kv_lengths=kv_lengths,
+                                          config=config.mosaic)
         except NotImplementedError:
-            config = dataclasses.replace(config, mosaic=False)
+            config = dataclasses.replace(config, mosaic=None)
     return _estimate(q, k, jnp.float32(threshold), jnp.float32(norm), q_lengths, kv_lengths,
                      block_size=block_size, stride=stride, config=config)

@@ -67,15 +67,17 @@ def test_refusals_name_the_value(shapes, options, match):
 def test_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         mosaic.Config(**kw)
+    with pytest.raises(ValueError, match="cluster=3"):
+        mosaic.Config(cluster=3)
     with pytest.raises(ValueError, match="fp8"):
-        kernel.Config(mosaic=True)
+        kernel.Config(mosaic=mosaic.Config())
 
 
 @pytest.mark.parametrize("t,s,block_c", [(2048, 2048, 128), (2048, 4096, 256)])
 def test_interpreted_estimate_matches_reference(t, s, block_c):
     q, k = _inputs(t, s, n=2, kh=1)
-    config = kernel.Config(fp8=True, block_k=128, block_c=block_c, mosaic=True,
-                           mosaic_stages=2, mosaic_interpret=True)
+    config = kernel.Config(fp8=True, block_k=128, mosaic=mosaic.Config(
+        block_c=block_c, stages=2, interpret=True))
     sums, mask = kernel.xattn_estimate(q, k, config=config)
     want_sums, want_mask = xattn_estimate(q, k, implementation="xla", fp8=True)
     # p enters the block-sum product in f16: ~2^-11 relative per entry.
@@ -86,22 +88,25 @@ def test_interpreted_estimate_matches_reference(t, s, block_c):
 def test_unsupported_lengths_fall_back_to_triton():
     q, k = _inputs(2048, 2048, n=2, kh=1)
     lengths = jnp.array([1500])
-    config = kernel.Config(fp8=True, block_k=128, block_c=128, mosaic=True,
-                           mosaic_interpret=True)
+    config = kernel.Config(fp8=True, block_k=128, mosaic=mosaic.Config(block_c=128,
+                                                                       interpret=True))
     sums, _ = kernel.xattn_estimate(q, k, q_lengths=lengths, kv_lengths=lengths, config=config)
     want, _ = kernel.xattn_estimate(q, k, q_lengths=lengths, kv_lengths=lengths,
-                                    config=dataclasses.replace(config, mosaic=False))
+                                    config=dataclasses.replace(config, mosaic=None))
     np.testing.assert_array_equal(sums, want)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,s,n,kh,block_c,stages", [(8192, 8192, 8, 2, 256, 3),
-                                                     (4096, 8192, 4, 4, 128, 4),
-                                                     (8192, 16384, 4, 1, 256, 4)])
-def test_gpu_matches_triton_fp8(t, s, n, kh, block_c, stages):
+@pytest.mark.parametrize("t,s,n,kh,block_c,stages,cluster", [
+    (8192, 8192, 8, 2, 256, 3, 2),  # CTA pairs
+    (8192, 8192, 8, 2, 256, 3, 1),
+    (4096, 8192, 4, 4, 128, 4, 2),  # G = 1: single CTAs
+    (8192, 16384, 6, 1, 256, 2, 2),  # G = 6
+])
+def test_gpu_matches_triton_fp8(t, s, n, kh, block_c, stages, cluster):
     q, k = _inputs(t, s, n, kh)
-    config = dataclasses.replace(kernel.FP8_CONFIG, block_c=block_c, mosaic=True,
-                                 mosaic_stages=stages)
+    config = dataclasses.replace(kernel.FP8_CONFIG, mosaic=mosaic.Config(
+        block_c=block_c, stages=stages, cluster=cluster))
     sums, mask = kernel.xattn_estimate(q, k, config=config)
     want_sums, want_mask = kernel.xattn_estimate(q, k, config=kernel.FP8_CONFIG)
     np.testing.assert_allclose(sums, want_sums, rtol=3e-3, atol=1e-5)
