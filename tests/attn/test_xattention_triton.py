@@ -413,7 +413,8 @@ _AOT = textwrap.dedent("""
         print("AOT", name, ",".join(mma), c.metadata.shared, r.stderr.replace("\\n", " "))
         # The block-sum kernel on this tiling's scratch compiles too.
         bconsts = dict(N=32, R=8, RT=t // 16, TB=t // 128, SB=s // 128, QB=8, BLOCK_J=64,
-                       NT=consts["NT"], BLOCK_NT=consts["NT"], TILE_COLS=cfg.block_c)
+                       NT=consts["NT"], BLOCK_NT=consts["NT"], TILE_COLS=cfg.block_c,
+                   TILE_ROW_STRIDE=consts["NT"], TILE_STRIDE=1)
         bnames = kt._block_sums_kernel.arg_names
         bsig = {n: "constexpr" if n in bconsts else "*fp32" if n in ("lse_ptr", "tile_lse_ptr",
                                                                     "sums_ptr") else "*i32"
