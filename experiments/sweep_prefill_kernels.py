@@ -142,9 +142,9 @@ def xattn(quick):
                 ("fp8 128x256", C(fp8=True, block_k=128, block_c=256)),
                 ("fp8 api", xattn_triton.FP8_CONFIG),
                 # The Mosaic GPU score kernel (TMA, warp-specialised; full lengths only).
-                *((f"fp8 mosaic {bc} s{st} c{cl}", C(fp8=True, block_k=128, mosaic=MC(
-                    block_c=bc, stages=st, cluster=cl)))
-                  for bc, st, cl in ((256, 3, 2), (256, 3, 1), (128, 4, 2)))]
+                *((f"fp8 mosaic {bc} s{st}", C(fp8=True, block_k=128, mosaic=MC(
+                    block_c=bc, stages=st)))
+                  for bc, st in ((256, 3), (256, 2), (128, 4)))]
     for s in seqs:
         q, k, _ = _bench.qkv(s + 7, 1, s, n, kh, h)
         base = None

@@ -53,10 +53,9 @@ class Config:
 
     block_c: int = 256
     stages: int = 3
-    # CTAs per cluster along the query heads: 2 runs the same tile of two query heads of one KV
-    # head on a CTA pair that multicasts each k slice (each loads half): 2/3 of the L2 reads.
-    # Needs an even group size; 1 otherwise.
-    cluster: int = 2
+    # Persistent programs, each walking every `programs`-th (pair, tile) item (default: one per
+    # SM), so the TMA ring runs on into the next tile while the compute groups finish one.
+    programs: int | None = None
     # Pallas's Mosaic GPU interpreter (the CPU tests), not compiled.
     interpret: bool = False
 
@@ -65,8 +64,8 @@ class Config:
             raise ValueError(f"block_c={self.block_c} must be 128 or 256")
         if self.stages < 2:
             raise ValueError(f"stages={self.stages} must be >= 2")
-        if self.cluster not in (1, 2):
-            raise ValueError(f"cluster={self.cluster} must be 1 or 2")
+        if self.programs is not None and self.programs < 1:
+            raise ValueError(f"programs={self.programs} must be positive")
 
 
 def check_supported(q, k, *, block_size: int, stride: int, q_lengths, kv_lengths,
@@ -132,9 +131,6 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
     b, t, n, h = q8.shape
     s, kh = k8.shape[1], k8.shape[2]
     g, st, bc, stages = n // kh, stride, config.block_c, config.stages
-    # (Pallas's interpreter has no cluster barriers: it runs the single-CTA schedule.)
-    paired = g % 2 == 0 and first % 2 == 0 and count % 2 == 0 and not config.interpret
-    cl = config.cluster if paired else 1
     rows, cols = t // st, s // st
     shift, cb, nt, sb = cols - rows, bc // _R, cols // bc, s // block_size
     tiles = tile_table(rows, cols, bc)
@@ -156,15 +152,24 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
         def iota(shape, dim):
             return lax.broadcasted_iota(jnp.int32, shape, dim)
 
+    num_tiles = tiles.shape[0]
+    total = num_tiles * count  # (pair, tile) work items, tiles fastest
+    sms = getattr(jax.devices()[0], "core_count", 0) or 4  # (the interpreter on a CPU: 4)
+    programs = min(total, config.programs or sms)
+
     def kernel(q_ref, k_ref, qs_ref, ks_ref, e_ref, tiles_ref, lse_ref, tile_lse_ref, scoped):
         (q_smem, k_smem, e_smem, lse_smem, row_smem), (q_ready, k_ready, e_ready), free = scoped
         wg = lax.axis_index("wg")
-        tile = lax.axis_index("tiles")
-        pair = lax.axis_index("pairs") * cl + (lax.axis_index("cluster") if cl > 1 else 0)
-        bi, head = (first + pair) // n, lax.rem(first + pair, n)
-        kv_head = head // g
-        col_tile = tiles_ref[tile, 1]
-        m0, c0 = tiles_ref[tile, 0] * _ROWS, col_tile * bc
+        pid = lax.axis_index("programs")
+        mine = (total - 1 - pid) // programs + 1  # work items of this program
+
+        def item(j):
+            """The j-th work item of this program: its pair, head, KV head, tile origin."""
+            w = pid + j * programs
+            pair, tile = w // num_tiles, lax.rem(w, num_tiles)
+            bi, head = (first + pair) // n, lax.rem(first + pair, n)
+            col_tile = tiles_ref[tile, 1]
+            return pair, bi, head, head // g, tiles_ref[tile, 0] * _ROWS, col_tile
 
         @pl.when(wg < 2)
         def _compute():
@@ -174,90 +179,99 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
             def _():
                 plgpu.copy_gmem_to_smem(e_ref, e_smem, e_ready)
 
-            row0 = m0 + wg * 64
-            if interpret is None:
-                def mainloop(acc_ref):
-                    @pl.loop(0, st)
-                    def _(i):
-                        slot = lax.rem(i, stages)
+            plgpu.barrier_wait(e_ready)
+
+            @pl.loop(0, mine)
+            def _(j):
+                pair, bi, head, kv_head, m0, col_tile = item(j)
+                c0, row0 = col_tile * bc, m0 + wg * 64
+                if interpret is None:
+                    def mainloop(acc_ref):
+                        @pl.loop(0, st)
+                        def _(i):
+                            slot = lax.rem(j * st + i, stages)
+                            plgpu.barrier_wait(q_ready.at[slot])
+                            plgpu.barrier_wait(k_ready.at[slot])
+                            plgpu.wgmma(acc_ref, q_smem.at[slot, pl.ds(wg * 64, 64)],
+                                        dense_mosaic._transposed(plgpu, k_smem.at[slot]))
+                            plgpu.wgmma_wait(0)
+                            plgpu.barrier_arrive(free.at[slot])
+
+                        return acc_ref[...]
+
+                    acc = pl.run_scoped(mainloop, plgpu.ACC((64, bc), jnp.float32))
+                else:  # the same products of the same shared-memory tiles
+                    def step(i, acc):
+                        slot = lax.rem(j * st + i, stages)
                         plgpu.barrier_wait(q_ready.at[slot])
                         plgpu.barrier_wait(k_ready.at[slot])
-                        plgpu.wgmma(acc_ref, q_smem.at[slot, pl.ds(wg * 64, 64)],
-                                    dense_mosaic._transposed(plgpu, k_smem.at[slot]))
-                        plgpu.wgmma_wait(0)
+                        qt = q_smem.at[slot, pl.ds(wg * 64, 64)][...].astype(jnp.float32)
+                        kt = k_smem.at[slot][...].astype(jnp.float32)
+                        acc = acc + lax.dot_general(qt, kt, (((1,), (1,)), ((), ())),
+                                                    preferred_element_type=jnp.float32)
                         plgpu.barrier_arrive(free.at[slot])
+                        return acc
 
-                    return acc_ref[...]
+                    acc = lax.fori_loop(0, st, step, jnp.zeros((64, bc), jnp.float32))
 
-                acc = pl.run_scoped(mainloop, plgpu.ACC((64, bc), jnp.float32))
-            else:  # the same products of the same shared-memory tiles
-                def step(i, acc):
-                    slot = lax.rem(i, stages)
-                    plgpu.barrier_wait(q_ready.at[slot])
-                    plgpu.barrier_wait(k_ready.at[slot])
-                    qt = q_smem.at[slot, pl.ds(wg * 64, 64)][...].astype(jnp.float32)
-                    kt = k_smem.at[slot][...].astype(jnp.float32)
-                    acc = acc + lax.dot_general(qt, kt, (((1,), (1,)), ((), ())),
-                                                preferred_element_type=jnp.float32)
-                    plgpu.barrier_arrive(free.at[slot])
-                    return acc
+                # The memory group meanwhile loads the next tile's first slices.
+                qs = load(qs_ref.at[bi, head, pl.ds(row0, 64)], plgpu.Layout.WGMMA.reduce(1))
+                ks = load(ks_ref.at[bi, kv_head, pl.ds(c0, bc)], plgpu.Layout.WGMMA.reduce(0))
+                a = (acc * lax.broadcast_in_dim(qs, acc.shape, [0])
+                     * lax.broadcast_in_dim(ks, acc.shape, [1]))
+                vis = c0 + iota(acc.shape, 1) <= row0 + shift + iota(acc.shape, 0)
+                a = jnp.where(vis, a, -jnp.inf)
+                mx = a.max(axis=1)
+                mx = jnp.where(mx == -jnp.inf, 0.0, mx)
+                p = jnp.exp2(a - lax.broadcast_in_dim(mx, a.shape, [0])).astype(jnp.float16)
+                if interpret is None:
+                    def block_sums(ref):
+                        plgpu.wgmma(ref, p, e_smem)
+                        return ref[...]
 
-                acc = lax.fori_loop(0, st, step, jnp.zeros((64, bc), jnp.float32))
+                    blk = pl.run_scoped(block_sums, plgpu.ACC((64, cb), jnp.float32))
+                else:
+                    blk = jnp.dot(p.astype(jnp.float32), e_smem[...].astype(jnp.float32))
+                row = blk.sum(axis=1)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores
+                lse_smem.at[wg][...] = jnp.where(
+                    blk > 0.0, lax.broadcast_in_dim(mx, blk.shape, [0])
+                    + jnp.log2(jnp.where(blk > 0.0, blk, 1.0)), -jnp.inf)
+                row_smem.at[wg][...] = jnp.where(
+                    row > 0.0, mx + jnp.log2(jnp.where(row > 0.0, row, 1.0)), -jnp.inf)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    lse_smem.at[wg], lse_ref.at[pair, pl.ds(row0, 64), pl.ds(col_tile * cb, cb)])
+                plgpu.copy_smem_to_gmem(
+                    row_smem.at[wg], tile_lse_ref.at[pair, col_tile, pl.ds(row0, 64)])
 
-            qs = load(qs_ref.at[bi, head, pl.ds(row0, 64)], plgpu.Layout.WGMMA.reduce(1))
-            ks = load(ks_ref.at[bi, kv_head, pl.ds(c0, bc)], plgpu.Layout.WGMMA.reduce(0))
-            a = (acc * lax.broadcast_in_dim(qs, acc.shape, [0])
-                 * lax.broadcast_in_dim(ks, acc.shape, [1]))
-            vis = c0 + iota(acc.shape, 1) <= row0 + shift + iota(acc.shape, 0)
-            a = jnp.where(vis, a, -jnp.inf)
-            mx = a.max(axis=1)
-            mx = jnp.where(mx == -jnp.inf, 0.0, mx)
-            p = jnp.exp2(a - lax.broadcast_in_dim(mx, a.shape, [0])).astype(jnp.float16)
-            plgpu.barrier_wait(e_ready)
-            if interpret is None:
-                def block_sums(ref):
-                    plgpu.wgmma(ref, p, e_smem)
-                    return ref[...]
-
-                blk = pl.run_scoped(block_sums, plgpu.ACC((64, cb), jnp.float32))
-            else:
-                blk = jnp.dot(p.astype(jnp.float32), e_smem[...].astype(jnp.float32))
-            mxb = lax.broadcast_in_dim(mx, blk.shape, [0])
-            lse_smem.at[wg][...] = jnp.where(
-                blk > 0.0, mxb + jnp.log2(jnp.where(blk > 0.0, blk, 1.0)), -jnp.inf)
-            row = blk.sum(axis=1)
-            row_smem.at[wg][...] = jnp.where(
-                row > 0.0, mx + jnp.log2(jnp.where(row > 0.0, row, 1.0)), -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg],
-                                    lse_ref.at[pair, pl.ds(row0, 64), pl.ds(col_tile * cb, cb)])
-            plgpu.copy_smem_to_gmem(row_smem.at[wg], tile_lse_ref.at[pair, col_tile,
-                                                                     pl.ds(row0, 64)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+            steps = mine * st  # slices of all this program's tiles, one ring
 
-            def copy(i, slot):
+            def copy(step):
+                _, bi, head, kv_head, m0, col_tile = item(step // st)
+                i, slot = lax.rem(step, st), lax.rem(step, stages)
                 plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(m0, _ROWS), st - 1 - i, head],
                                         q_smem.at[slot], q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(c0, bc), i, kv_head],
-                                        k_smem.at[slot], k_ready.at[slot],
-                                        collective_axes="cluster" if cl > 1 else None)
+                plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(col_tile * bc, bc), i, kv_head],
+                                        k_smem.at[slot], k_ready.at[slot])
 
-            for i in range(min(stages, st)):
-                copy(i, i)
+            @pl.loop(0, jnp.minimum(steps, stages))
+            def _(step):
+                copy(step)
 
-            @pl.loop(0, max(st - stages, 0))
-            def _(i):
-                slot = lax.rem(i, stages)
-                plgpu.barrier_wait(free.at[slot])
-                copy(i + stages, slot)
+            @pl.loop(stages, steps)
+            def _(step):
+                plgpu.barrier_wait(free.at[lax.rem(step, stages)])
+                copy(step)
 
-            @pl.loop(max(st - stages, 0), st)  # observe the last releases (the interpreter)
-            def _(i):
-                plgpu.barrier_wait(free.at[lax.rem(i, stages)])
+            @pl.loop(jnp.maximum(steps - stages, 0), steps)  # observe the last releases
+            def _(step):
+                plgpu.barrier_wait(free.at[lax.rem(step, stages)])
 
     def entry(*refs):
         fp8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
@@ -272,10 +286,7 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
              plgpu.SMEM((2, 64), jnp.float32)),
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier()),
-            # Released by both compute groups of every CTA of the cluster.
-            plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2,
-                                 num_barriers=stages) if cl > 1
-            else plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             collective_axes="wg",
         )
 
@@ -283,9 +294,8 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
         entry,
         out_type=(jax.ShapeDtypeStruct((count, rows, sb), jnp.float32),
                   jax.ShapeDtypeStruct((count, nt, rows), jnp.float32)),
-        grid=(tiles.shape[0], count // cl),
-        grid_names=("tiles", "pairs"),
-        **(dict(cluster=(cl,), cluster_names=("cluster",)) if cl > 1 else {}),
+        grid=(programs,),
+        grid_names=("programs",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

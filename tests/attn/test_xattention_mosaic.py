@@ -67,8 +67,8 @@ def test_refusals_name_the_value(shapes, options, match):
 def test_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         mosaic.Config(**kw)
-    with pytest.raises(ValueError, match="cluster=3"):
-        mosaic.Config(cluster=3)
+    with pytest.raises(ValueError, match="programs=0"):
+        mosaic.Config(programs=0)
     with pytest.raises(ValueError, match="fp8"):
         kernel.Config(mosaic=mosaic.Config())
 
@@ -76,8 +76,9 @@ def test_config_validation(kw, match):
 @pytest.mark.parametrize("t,s,block_c", [(2048, 2048, 128), (2048, 4096, 256)])
 def test_interpreted_estimate_matches_reference(t, s, block_c):
     q, k = _inputs(t, s, n=2, kh=1)
+    # 3 programs: each walks several tiles (and pairs) through one ring of slots.
     config = kernel.Config(fp8=True, block_k=128, mosaic=mosaic.Config(
-        block_c=block_c, stages=2, interpret=True))
+        block_c=block_c, stages=2, programs=3, interpret=True))
     sums, mask = kernel.xattn_estimate(q, k, config=config)
     want_sums, want_mask = xattn_estimate(q, k, implementation="xla", fp8=True)
     # p enters the block-sum product in f16: ~2^-11 relative per entry.
@@ -97,16 +98,16 @@ def test_unsupported_lengths_fall_back_to_triton():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,s,n,kh,block_c,stages,cluster", [
-    (8192, 8192, 8, 2, 256, 3, 2),  # CTA pairs
-    (8192, 8192, 8, 2, 256, 3, 1),
-    (4096, 8192, 4, 4, 128, 4, 2),  # G = 1: single CTAs
-    (8192, 16384, 6, 1, 256, 2, 2),  # G = 6
+@pytest.mark.parametrize("t,s,n,kh,block_c,stages,programs", [
+    (8192, 8192, 8, 2, 256, 3, None),  # one program per SM
+    (8192, 8192, 8, 2, 256, 3, 7),
+    (4096, 8192, 4, 4, 128, 4, None),
+    (8192, 16384, 6, 1, 256, 2, 1000),  # more programs than tiles
 ])
-def test_gpu_matches_triton_fp8(t, s, n, kh, block_c, stages, cluster):
+def test_gpu_matches_triton_fp8(t, s, n, kh, block_c, stages, programs):
     q, k = _inputs(t, s, n, kh)
     config = dataclasses.replace(kernel.FP8_CONFIG, mosaic=mosaic.Config(
-        block_c=block_c, stages=stages, cluster=cluster))
+        block_c=block_c, stages=stages, programs=programs))
     sums, mask = kernel.xattn_estimate(q, k, config=config)
     want_sums, want_mask = kernel.xattn_estimate(q, k, config=kernel.FP8_CONFIG)
     np.testing.assert_allclose(sums, want_sums, rtol=3e-3, atol=1e-5)
