@@ -268,7 +268,7 @@ def _block_sums_kernel(
     sums_ptr,  # [BN, TB, SB] f32
     N: tl.constexpr,
     R: tl.constexpr,
-    RT: tl.constexpr,
+    RT: tl.constexpr,  # scratch rows (the Mosaic scores: padded to its row tiles)
     TB: tl.constexpr,
     SB: tl.constexpr,
     QB: tl.constexpr,  # query tiles per program
@@ -448,7 +448,8 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
             lse, tile_lse = mosaic_scores.scores(
                 q, k, q_scale * scale[0], k_scale, stride=stride, block_size=block_size,
                 first=bn0, count=count, config=config.mosaic)
-            tile_strides = (1, tb * r)
+            rt = lse.shape[1]  # rows padded to the Mosaic kernel's row tiles
+            tile_strides = (1, rt)
         else:
             lse, tile_lse = triton_call(
                 q, k, q_len, kv_len, *geometry, jnp.asarray(tiles), scale, q_scale, k_scale,
@@ -464,7 +465,7 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
                 PRECISION=precision, FP8=config.fp8,
                 WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8, NT=nt,
             )
-            tile_strides = (nt, 1)
+            rt, tile_strides = tb * r, (nt, 1)
         parts.append(triton_call(
             lse, tile_lse, *geometry, first,
             kernel=_block_sums_kernel,
@@ -472,7 +473,7 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
             grid=(_cdiv(tb, qb), count),
             num_warps=4,
             num_stages=1,
-            N=n, R=r, RT=tb * r, TB=tb, SB=sb, QB=qb,
+            N=n, R=r, RT=rt, TB=tb, SB=sb, QB=qb,
             BLOCK_J=max(16, min(triton.next_power_of_2(sb), _FIXUP_ELEMENTS // (qb * r))),
             NT=nt, BLOCK_NT=min(triton.next_power_of_2(nt), max(1, _FIXUP_ELEMENTS // (qb * r))),
             TILE_COLS=block_c, TILE_ROW_STRIDE=tile_strides[0], TILE_STRIDE=tile_strides[1],

@@ -21,15 +21,16 @@ def _inputs(t, s, n, kh):
     return randn(gen, (1, t, n, 128), BF16), randn(gen, (1, s, kh, 128), BF16)
 
 
-@pytest.mark.parametrize("rows,cols,block_c", [(128, 128, 128), (256, 512, 256),
-                                               (384, 512, 128), (128, 1024, 256)])
-def test_tile_table_lists_exactly_the_reachable_tiles(rows, cols, block_c):
+@pytest.mark.parametrize("rows,cols,block_r,block_c", [
+    (128, 128, 128, 128), (256, 512, 128, 256), (384, 512, 128, 128), (128, 1024, 128, 256),
+    (256, 256, 192, 256), (448, 768, 192, 128), (512, 512, 192, 256)])
+def test_tile_table_lists_exactly_the_reachable_tiles(rows, cols, block_r, block_c):
     shift = cols - rows
     m, c = np.arange(rows)[:, None], np.arange(cols)[None, :]
     visible = c <= m + shift
-    want = {(i, j) for i in range(rows // 128) for j in range(cols // block_c)
-            if visible[i * 128:(i + 1) * 128, j * block_c:(j + 1) * block_c].any()}
-    table = mosaic.tile_table(rows, cols, block_c)
+    want = {(i, j) for i in range(-(-rows // block_r)) for j in range(cols // block_c)
+            if visible[i * block_r:(i + 1) * block_r, j * block_c:(j + 1) * block_c].any()}
+    table = mosaic.tile_table(rows, cols, block_r, block_c)
     assert len(table) == len(want) and {tuple(x) for x in table} == want
     assert list(table[:, 0]) == sorted(table[:, 0], reverse=True)  # longest row tiles first
 
@@ -67,18 +68,26 @@ def test_refusals_name_the_value(shapes, options, match):
 def test_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         mosaic.Config(**kw)
+    with pytest.raises(ValueError, match="groups=4"):
+        mosaic.Config(groups=4)
     with pytest.raises(ValueError, match="programs=0"):
         mosaic.Config(programs=0)
     with pytest.raises(ValueError, match="fp8"):
         kernel.Config(mosaic=mosaic.Config())
 
 
-@pytest.mark.parametrize("t,s,block_c", [(2048, 2048, 128), (2048, 4096, 256)])
-def test_interpreted_estimate_matches_reference(t, s, block_c):
+@pytest.mark.parametrize("t,s,block_c,groups", [
+    (2048, 2048, 128, 2),
+    (2048, 4096, 256, 2),
+    # 192-row tiles. (A last tile running past T / st is left to the GPU tests: TMA fills its
+    # rows with zeros there, the interpreter's copies fail out of bounds.)
+    (3072, 4096, 128, 3),
+])
+def test_interpreted_estimate_matches_reference(t, s, block_c, groups):
     q, k = _inputs(t, s, n=2, kh=1)
     # 3 programs: each walks several tiles (and pairs) through one ring of slots.
     config = kernel.Config(fp8=True, block_k=128, mosaic=mosaic.Config(
-        block_c=block_c, stages=2, programs=3, interpret=True))
+        block_c=block_c, stages=2, programs=3, groups=groups, interpret=True))
     sums, mask = kernel.xattn_estimate(q, k, config=config)
     want_sums, want_mask = xattn_estimate(q, k, implementation="xla", fp8=True)
     # p enters the block-sum product in f16: ~2^-11 relative per entry.
@@ -98,16 +107,18 @@ def test_unsupported_lengths_fall_back_to_triton():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,s,n,kh,block_c,stages,programs", [
-    (8192, 8192, 8, 2, 256, 3, None),  # one program per SM
-    (8192, 8192, 8, 2, 256, 3, 7),
-    (4096, 8192, 4, 4, 128, 4, None),
-    (8192, 16384, 6, 1, 256, 2, 1000),  # more programs than tiles
+@pytest.mark.parametrize("t,s,n,kh,block_c,stages,programs,groups", [
+    (8192, 8192, 8, 2, 256, 3, None, 2),  # one program per SM
+    (8192, 8192, 8, 2, 256, 3, 7, 2),
+    (4096, 8192, 4, 4, 128, 4, None, 2),
+    (8192, 16384, 6, 1, 256, 2, 1000, 2),  # more programs than tiles
+    (8192, 8192, 8, 2, 256, 3, None, 3),  # 192-row tiles, the last one partial
+    (4096, 8192, 4, 2, 128, 3, 5, 3),
 ])
-def test_gpu_matches_triton_fp8(t, s, n, kh, block_c, stages, programs):
+def test_gpu_matches_triton_fp8(t, s, n, kh, block_c, stages, programs, groups):
     q, k = _inputs(t, s, n, kh)
     config = dataclasses.replace(kernel.FP8_CONFIG, mosaic=mosaic.Config(
-        block_c=block_c, stages=stages, programs=programs))
+        block_c=block_c, stages=stages, programs=programs, groups=groups))
     sums, mask = kernel.xattn_estimate(q, k, config=config)
     want_sums, want_mask = kernel.xattn_estimate(q, k, config=kernel.FP8_CONFIG)
     np.testing.assert_allclose(sums, want_sums, rtol=3e-3, atol=1e-5)
