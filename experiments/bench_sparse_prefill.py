@@ -180,6 +180,19 @@ def estimate_rows(args, ctx):
             selected = float(jnp.sum(mask)) / (n * sb * (sb + 1) / 2)
             ms = ctx.time(est, q, k)
             fraction = ms / (ms + sparse["ms"])
+            extra = {}
+            if fp8:  # which score kernel ran; the Triton one beside it
+                try:
+                    xattn_triton.mosaic_scores.check_supported(
+                        q, k, block_size=bs, stride=stride, q_lengths=None, kv_lengths=None,
+                        config=xattn_triton.FP8_CONFIG.mosaic)
+                    extra["scores"] = "mosaic"
+                except NotImplementedError:
+                    extra["scores"] = "triton"
+                triton_est = jax.jit(lambda q, k: xattn_triton.xattn_estimate(
+                    q, k, block_size=bs, stride=stride,
+                    config=dataclasses.replace(xattn_triton.FP8_CONFIG, mosaic=None)))
+                extra["triton_scores_ms"] = round(ctx.time(triton_est, q, k), 4)
             flops = 2 * n * (s / stride) ** 2 / 2 * h * stride
             yield _bench.row(
                 kernel="xattn_estimate",
@@ -193,6 +206,7 @@ def estimate_rows(args, ctx):
                 dense_ms=round(dense_ms, 4),
                 mask_density_on_random_inputs=round(selected, 4),
                 mask_agreement_with_bf16=round(float(jnp.mean(mask == bf16_mask)), 5),
+                **extra,
                 config=(dataclasses.asdict(xattn_triton.FP8_CONFIG) if fp8
                         else _config_of(xattn_triton)))
         del q, k, v, mask, bf16_mask

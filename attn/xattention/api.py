@@ -71,9 +71,10 @@ def xattn_estimate(
         (the kernel on a GPU).
       fp8: score q and k rounded to e4m3 (one power-of-two scale per head and `stride` tokens,
         `attn.xattention.reference.quantize_e4m3`): the kernel's GEMM then runs on the fp8 tensor
-        cores (`triton.FP8_CONFIG`: 128 x 256 score tiles, 128-feature slices; on the H100 1.34x /
-        1.51x the bf16 kernel at S64K / S128K, 99.7% of mask entries equal); `"xla"` scores
-        the same rounded values in float32.
+        cores (`triton.FP8_CONFIG`: on a Hopper GPU with full lengths the Mosaic GPU score
+        kernel, `attn/xattention/mosaic.py`, else the Triton one with 128 x 256 score tiles; on
+        the H100 ~1.5x / 1.65x the bf16 kernel at S64K / S128K, 99.7% of mask entries equal);
+        `"xla"` scores the same rounded values in float32.
 
     Returns:
       `(block_sums [B, N, Tb, Sb] float32, block_mask [B, N, Tb, Sb] bool)`, `Tb = ceil(T /

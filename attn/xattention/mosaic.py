@@ -1,28 +1,37 @@
 """Mosaic GPU XAttention score kernel (Hopper, e4m3): the reduced GEMM of `triton.py`'s fp8 path
-with TMA loads and warp-specialised programs.
+with TMA loads, warp-specialised persistent programs.
 
-Why: the Triton score kernel (cp.async gathers, no warp specialisation) runs the e4m3 GEMM at
-~0.8 PFLOP/s; 128 x 128 and 128 x 256 tiles took the same time (benchmarks/NOTES.md, session 5),
-so it is not bound by the tiles' L2 traffic but by its own pipeline. This kernel computes the
-same outputs as `triton._tile_lse_kernel` (the per-(reduced row, key block) log2-sum-exp2 scratch
-and the per-(row, column tile) ones) for `triton._block_sums_kernel` to finish:
+It computes what `triton._tile_lse_kernel` does (per reduced row: the log2-sum-exp2 of its
+scaled scores over each key block, and over each column tile) for `triton._block_sums_kernel`
+to finish; quantisation, block sums and selection stay the Triton kernels'.
 
-- One program per causally reachable `[128, block_c]` tile of reduced scores of one query head
-  (a static table, longest row tiles first; programs of one head adjacent, so its q and k stay
-  in L2). Three warp groups: a TMA group fills a ring of `stages` slots, each slot one stride
-  slice `i` (128 e4m3 features = one token row of one head): q rows `m·st + st-1-i` of the tile
-  (`[128, H]`) and k rows `c·st + i` (`[block_c, H]`), read through a `[B, T/st, st, N, H]` view,
-  so the antidiagonal gather is the TMA box's row stride. Two compute warp groups (64 reduced
-  rows each) issue one `e4m3 x e4m3 -> f32` wgmma per slice on the shared k slice and release
-  the slot (two arrivals).
+- Work items: the causally reachable `[128, block_c]` tiles of reduced scores (a static table,
+  longest row tiles first) of each (request, query head) pair, tiles fastest, so the programs
+  in flight share one head's q and k in L2. One persistent program per SM takes every
+  `programs`-th item.
+- Three warp groups. A TMA group walks the program's items slice by slice through one ring of
+  `stages` slots: slice `i` of a tile is q rows `m·st + st-1-i` (`[128, H]`) and k rows
+  `c·st + i` (`[block_c, H]`), read through `[B, T/st, st, N, H]` views, so the antidiagonal
+  gather is the TMA box's row stride; it runs on into the next tile while the compute groups
+  finish one. Two compute groups (64 reduced rows each) issue one `e4m3 x e4m3 -> f32` wgmma a
+  slice on the shared k slice and release the slot (two arrivals).
 - Epilogue per compute group: scores times the q row scales (the score scale folded in) and the
   k column scales, the causal rule `c <= m + shift`, the row maximum, `p = 2^(s - max)`; the
   block sums `Σ_{c in block} p` as one more wgmma, `p` (f16, registers) times a 0/1 matrix
-  `E [block_c, block_c / R]` in shared memory (f32 accumulation); then `max + log2(sum)` stored
-  by TMA to the scratch, and the tile's row log-sum-exp (`[BN, NT, RT]`, rows contiguous).
+  `E [block_c, block_c / R]` in shared memory (f32 accumulation; p's f16 rounding moves a block
+  sum by ~2^-11 of itself); then `max + log2(sum)` and the tile's row log-sum-exp, stored by TMA
+  (`[pairs, RP, Sb]` and `[pairs, NT, RP]`, `RP` the reduced rows padded to whole row tiles).
+
+Where the time goes (H100, S64K N32 / K8, benchmarks/NOTES.md session 10): the slices' loads
+alone take ~0.9 ms, 786 KB per tile at ~32 B per clock per SM (CTA pairs multicasting k did not
+change it: the bound is each SM's intake, not L2); wgmma and epilogue add ~0.25 ms; 128 x 256 is
+the largest tile the registers hold (three compute groups do not compile: ptxas needs >= 154
+registers a thread for a 64 x 256 accumulator, a four-warp-group kernel gets 128). Scores + block
+sums 1.65 ms, the whole fp8 estimate 1.756 ms against 1.892 with the Triton score kernel;
+S128K 6.334 against 6.975.
 
 Supports (else NotImplementedError; the caller runs the Triton kernel): full lengths, `H = 128`,
-`block_size / stride = 8`, `T` a multiple of `128·stride`, `S` of `block_c·stride`, `T <= S`
+`block_size / stride = 8`, `T` a multiple of `64·stride`, `S` of `block_c·stride`, `T <= S`
 (queries at the end of the keys). A Hopper GPU; on the CPU it runs in Pallas's Mosaic GPU
 interpreter with `interpret=True` (the wgmmas as `jnp` products of the same shared-memory tiles).
 """
@@ -43,8 +52,8 @@ from attn.dense import mosaic as dense_mosaic
 _GROUP_ROWS = 64  # reduced rows a compute warp group (one wgmma M)
 _HEAD_DIM = 128  # one slice = one 128-byte e4m3 row = the 128-byte swizzle
 _R = 8  # reduced columns per key block (block_size / stride)
-# Registers per thread (compute, memory) by compute warp groups: 128 threads each, 64K in all.
-_REGISTERS = {2: (232, 40), 3: (160, 24)}
+_GROUPS = 2  # compute warp groups: a program's tile is 128 x block_c
+_COMPUTE_REGISTERS, _MEMORY_REGISTERS = 232, 40
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,9 +63,6 @@ class Config:
 
     block_c: int = 256
     stages: int = 3
-    # Compute warp groups of 64 reduced rows: a program's tile is `64·groups x block_c`. Three
-    # (192 x 256) take 22% fewer slice bytes per FLOP than two, on 160 registers a thread.
-    groups: int = 2
     # Persistent programs, each walking every `programs`-th (pair, tile) item (default: one per
     # SM), so the TMA ring runs on into the next tile while the compute groups finish one.
     programs: int | None = None
@@ -68,8 +74,6 @@ class Config:
             raise ValueError(f"block_c={self.block_c} must be 128 or 256")
         if self.stages < 2:
             raise ValueError(f"stages={self.stages} must be >= 2")
-        if self.groups not in _REGISTERS:
-            raise ValueError(f"groups={self.groups} must be one of {tuple(_REGISTERS)}")
         if self.programs is not None and self.programs < 1:
             raise ValueError(f"programs={self.programs} must be positive")
 
@@ -138,7 +142,7 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
     b, t, n, h = q8.shape
     s, kh = k8.shape[1], k8.shape[2]
     g, st, bc, stages = n // kh, stride, config.block_c, config.stages
-    groups = config.groups
+    groups = _GROUPS
     block_r = _GROUP_ROWS * groups
     rows, cols = t // st, s // st
     # Outputs (and q's scales) padded to whole row tiles: the last tile's extra rows (loaded as
@@ -186,7 +190,7 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
 
         @pl.when(wg < groups)
         def _compute():
-            plgpu.set_max_registers(_REGISTERS[groups][0], action="increase")
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
 
             @pl.when(wg == 0)
             def _():
@@ -262,7 +266,7 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
 
         @pl.when(wg == groups)
         def _memory():
-            plgpu.set_max_registers(_REGISTERS[groups][1], action="decrease")
+            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
             steps = mine * st  # slices of all this program's tiles, one ring
 
             def copy(step):

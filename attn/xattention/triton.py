@@ -319,10 +319,12 @@ def _block_sums_kernel(
         tl.store(out + j[None, :], sums, mask=(q_blocks < TB)[:, None] & (j < SB)[None, :])
 
 
-# What `xattn_estimate(..., fp8=True)` runs: 128-feature slices (one 128-byte e4m3 row per token)
-# and 128 x 256 score tiles (H100, S64K / S128K, N32: 2.058 / 7.05 ms against 2.074 / 7.38 at
-# 128 x 128 in session 5's sweep, 2.101 / 7.197 against 2.115 / 7.410 in session 6's run 3).
-FP8_CONFIG = Config(fp8=True, block_k=128, block_c=256)
+# What `xattn_estimate(..., fp8=True)` runs: the Mosaic GPU score kernel where it applies (a
+# Hopper GPU, full lengths, aligned shapes: H100 S64K / S128K N32 1.756 / 6.334 ms against the
+# Triton score kernel's 1.892 / 6.975, benchmarks/NOTES.md session 10), else the Triton one with
+# 128-feature slices (one 128-byte e4m3 row per token) and 128 x 256 score tiles (2.058 / 7.05
+# ms against 2.074 / 7.38 at 128 x 128 in session 5's sweep).
+FP8_CONFIG = Config(fp8=True, block_k=128, block_c=256, mosaic=mosaic_scores.Config())
 
 
 def check_supported(q) -> None:
