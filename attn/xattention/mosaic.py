@@ -63,6 +63,9 @@ class Config:
 
     block_c: int = 256
     stages: int = 3
+    # The epilogue's results through shared memory and TMA stores (16 KiB of staging at 256
+    # columns), else stored to GMEM straight from the registers.
+    staged_stores: bool = False
     # Persistent programs, each walking every `programs`-th (pair, tile) item (default: one per
     # SM), so the TMA ring runs on into the next tile while the compute groups finish one.
     programs: int | None = None
@@ -175,7 +178,7 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
     programs = min(total, config.programs or sms)
 
     def kernel(q_ref, k_ref, qs_ref, ks_ref, e_ref, tiles_ref, lse_ref, tile_lse_ref, scoped):
-        (q_smem, k_smem, e_smem, lse_smem, row_smem), (q_ready, k_ready, e_ready), free = scoped
+        (q_smem, k_smem, e_smem, lse_smem, row_smem), (ready, e_ready), free = scoped
         wg = lax.axis_index("wg")
         pid = lax.axis_index("programs")
         mine = (total - 1 - pid) // programs + 1  # work items of this program
@@ -207,8 +210,7 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
                         @pl.loop(0, st)
                         def _(i):
                             slot = lax.rem(j * st + i, stages)
-                            plgpu.barrier_wait(q_ready.at[slot])
-                            plgpu.barrier_wait(k_ready.at[slot])
+                            plgpu.barrier_wait(ready.at[slot])
                             plgpu.wgmma(acc_ref, q_smem.at[slot, pl.ds(wg * 64, 64)],
                                         dense_mosaic._transposed(plgpu, k_smem.at[slot]))
                             plgpu.wgmma_wait(0)
@@ -220,8 +222,7 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
                 else:  # the same products of the same shared-memory tiles
                     def step(i, acc):
                         slot = lax.rem(j * st + i, stages)
-                        plgpu.barrier_wait(q_ready.at[slot])
-                        plgpu.barrier_wait(k_ready.at[slot])
+                        plgpu.barrier_wait(ready.at[slot])
                         qt = q_smem.at[slot, pl.ds(wg * 64, 64)][...].astype(jnp.float32)
                         kt = k_smem.at[slot][...].astype(jnp.float32)
                         acc = acc + lax.dot_general(qt, kt, (((1,), (1,)), ((), ())),
@@ -250,19 +251,25 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
                 else:
                     blk = jnp.dot(p.astype(jnp.float32), e_smem[...].astype(jnp.float32))
                 row = blk.sum(axis=1)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores
-                lse_smem.at[wg][...] = jnp.where(
-                    blk > 0.0, lax.broadcast_in_dim(mx, blk.shape, [0])
-                    + jnp.log2(jnp.where(blk > 0.0, blk, 1.0)), -jnp.inf)
-                row_smem.at[wg][...] = jnp.where(
-                    row > 0.0, mx + jnp.log2(jnp.where(row > 0.0, row, 1.0)), -jnp.inf)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    lse_smem.at[wg], lse_ref.at[pair, pl.ds(row0, 64), pl.ds(col_tile * cb, cb)])
-                plgpu.copy_smem_to_gmem(
-                    row_smem.at[wg], tile_lse_ref.at[pair, col_tile, pl.ds(row0, 64)])
+                lse = jnp.where(blk > 0.0, lax.broadcast_in_dim(mx, blk.shape, [0])
+                                + jnp.log2(jnp.where(blk > 0.0, blk, 1.0)), -jnp.inf)
+                row_lse = jnp.where(row > 0.0, mx + jnp.log2(jnp.where(row > 0.0, row, 1.0)),
+                                    -jnp.inf)
+                lse_out = lse_ref.at[pair, pl.ds(row0, 64), pl.ds(col_tile * cb, cb)]
+                row_out = tile_lse_ref.at[pair, col_tile, pl.ds(row0, 64)]
+                if config.staged_stores:  # through shared memory and TMA
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's
+                    lse_smem.at[wg][...] = lse
+                    row_smem.at[wg][...] = row_lse
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_out)
+                    plgpu.copy_smem_to_gmem(row_smem.at[wg], row_out)
+                else:  # straight from the registers
+                    lse_out[...] = lse
+                    row_out[...] = row_lse
 
-            plgpu.wait_smem_to_gmem(0)
+            if config.staged_stores:
+                plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == groups)
         def _memory():
@@ -273,9 +280,9 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
                 _, bi, head, kv_head, m0, col_tile = item(step // st)
                 i, slot = lax.rem(step, st), lax.rem(step, stages)
                 plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(m0, block_r), st - 1 - i, head],
-                                        q_smem.at[slot], q_ready.at[slot])
+                                        q_smem.at[slot], ready.at[slot])
                 plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(col_tile * bc, bc), i, kv_head],
-                                        k_smem.at[slot], k_ready.at[slot])
+                                        k_smem.at[slot], ready.at[slot])
 
             @pl.loop(0, jnp.minimum(steps, stages))
             def _(step):
@@ -298,11 +305,13 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
              plgpu.SMEM((stages, bc, h), k8.dtype, transforms=fp8),
              plgpu.SMEM((bc, cb), jnp.float16, transforms=(
                  plgpu.TilingTransform((8, cb)), plgpu.SwizzleTransform(2 * cb))),
-             plgpu.SMEM((groups, 64, cb), jnp.float32, transforms=(
-                 plgpu.TilingTransform((8, cb)), plgpu.SwizzleTransform(min(128, 4 * cb)))),
-             plgpu.SMEM((groups, 64), jnp.float32)),
-            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier()),
+             # The staging of `staged_stores` (one row of one float otherwise).
+             plgpu.SMEM((groups, 64, cb) if config.staged_stores else (1, 8, cb), jnp.float32,
+                        transforms=(plgpu.TilingTransform((8, cb)),
+                                    plgpu.SwizzleTransform(min(128, 4 * cb)))),
+             plgpu.SMEM((groups, 64) if config.staged_stores else (1, 1), jnp.float32)),
+            # A slot is ready when both its copies (q, k) have landed: two arrivals.
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier()),
             plgpu.Barrier(num_arrivals=groups, num_barriers=stages),
             collective_axes="wg",
         )
