@@ -19,8 +19,9 @@ to finish; quantisation, block sums and selection stay the Triton kernels'.
   k column scales, the causal rule `c <= m + shift`, the row maximum, `p = 2^(s - max)`; the
   block sums `Σ_{c in block} p` as one more wgmma, `p` (f16, registers) times a 0/1 matrix
   `E [block_c, block_c / R]` in shared memory (f32 accumulation; p's f16 rounding moves a block
-  sum by ~2^-11 of itself); then `max + log2(sum)` and the tile's row log-sum-exp, stored by TMA
-  (`[pairs, RP, Sb]` and `[pairs, NT, RP]`, `RP` the reduced rows padded to whole row tiles).
+  sum by ~2^-11 of itself); then `max + log2(sum)` and the tile's row log-sum-exp, stored to
+  GMEM from the registers (`[pairs, RP, Sb]` and `[pairs, NT, RP]`, `RP` the reduced rows
+  padded to whole row tiles).
 
 Where the time goes (H100, S64K N32 / K8, benchmarks/NOTES.md session 10): the slices' loads
 alone take ~0.9 ms, 786 KB per tile at ~32 B per clock per SM (CTA pairs multicasting k did not
@@ -62,10 +63,9 @@ class Config:
     group), `stages` slices in flight."""
 
     block_c: int = 256
-    stages: int = 3
-    # The epilogue's results through shared memory and TMA stores (16 KiB of staging at 256
-    # columns), else stored to GMEM straight from the registers.
-    staged_stores: bool = False
+    # H100 S64K / S128K estimate: 2 slots 1.880 / -, 3 slots 1.742 / 6.294, 4 slots 1.701 /
+    # 6.176 ms (5 do not fit at 256 columns).
+    stages: int = 4
     # Persistent programs, each walking every `programs`-th (pair, tile) item (default: one per
     # SM), so the TMA ring runs on into the next tile while the compute groups finish one.
     programs: int | None = None
@@ -178,7 +178,7 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
     programs = min(total, config.programs or sms)
 
     def kernel(q_ref, k_ref, qs_ref, ks_ref, e_ref, tiles_ref, lse_ref, tile_lse_ref, scoped):
-        (q_smem, k_smem, e_smem, lse_smem, row_smem), (ready, e_ready), free = scoped
+        (q_smem, k_smem, e_smem), (ready, e_ready), free = scoped
         wg = lax.axis_index("wg")
         pid = lax.axis_index("programs")
         mine = (total - 1 - pid) // programs + 1  # work items of this program
@@ -255,21 +255,11 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
                                 + jnp.log2(jnp.where(blk > 0.0, blk, 1.0)), -jnp.inf)
                 row_lse = jnp.where(row > 0.0, mx + jnp.log2(jnp.where(row > 0.0, row, 1.0)),
                                     -jnp.inf)
-                lse_out = lse_ref.at[pair, pl.ds(row0, 64), pl.ds(col_tile * cb, cb)]
-                row_out = tile_lse_ref.at[pair, col_tile, pl.ds(row0, 64)]
-                if config.staged_stores:  # through shared memory and TMA
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's
-                    lse_smem.at[wg][...] = lse
-                    row_smem.at[wg][...] = row_lse
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_out)
-                    plgpu.copy_smem_to_gmem(row_smem.at[wg], row_out)
-                else:  # straight from the registers
-                    lse_out[...] = lse
-                    row_out[...] = row_lse
+                # Straight from the registers (staging through shared memory and TMA measured
+                # 1% slower at 3 slots, and its 16 KiB keep a fourth slot out).
+                lse_ref.at[pair, pl.ds(row0, 64), pl.ds(col_tile * cb, cb)][...] = lse
+                tile_lse_ref.at[pair, col_tile, pl.ds(row0, 64)][...] = row_lse
 
-            if config.staged_stores:
-                plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == groups)
         def _memory():
@@ -304,12 +294,7 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
             (plgpu.SMEM((stages, block_r, h), q8.dtype, transforms=fp8),
              plgpu.SMEM((stages, bc, h), k8.dtype, transforms=fp8),
              plgpu.SMEM((bc, cb), jnp.float16, transforms=(
-                 plgpu.TilingTransform((8, cb)), plgpu.SwizzleTransform(2 * cb))),
-             # The staging of `staged_stores` (one row of one float otherwise).
-             plgpu.SMEM((groups, 64, cb) if config.staged_stores else (1, 8, cb), jnp.float32,
-                        transforms=(plgpu.TilingTransform((8, cb)),
-                                    plgpu.SwizzleTransform(min(128, 4 * cb)))),
-             plgpu.SMEM((groups, 64) if config.staged_stores else (1, 1), jnp.float32)),
+                 plgpu.TilingTransform((8, cb)), plgpu.SwizzleTransform(2 * cb)))),
             # A slot is ready when both its copies (q, k) have landed: two arrivals.
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier()),
             plgpu.Barrier(num_arrivals=groups, num_barriers=stages),

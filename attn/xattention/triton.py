@@ -518,14 +518,16 @@ def _select_kernel(
     last = forced | (j >= SB)  # ranked after every candidate, carrying no mass
     other = tl.where(last, 0.0, x)
     bits = other.to(tl.int32, bitcast=True)  # masses >= 0: bits order as values
-    lo = tl.full([], -1, tl.int64)  # the kept-class condition fails at lo (or lo = -1)
-    hi = tl.full([], 0x7FFFFFFF, tl.int64)  # and holds at hi (int64: hi - lo overflows int32)
+    # The kept-class condition fails at lo (or lo = -1) and holds at hi: the bits of +inf, above
+    # every finite mass (no candidate above it, as above 0x7FFFFFFF), which keeps hi - lo and
+    # the compares in int32.
+    lo = tl.full([], -1, tl.int32)
+    hi = tl.full([], 0x7F800000, tl.int32)
     for _ in tl.static_range(31):
         mid = lo + (hi - lo) // 2
         fits = forced_mass + tl.sum(tl.where(bits > mid, other, 0.0), 0) < required
         hi = tl.where(fits, mid, hi)
         lo = tl.where(fits, lo, mid)
-    hi = hi.to(tl.int32)
     tie = (bits == hi) & ~last
     m = tl.max(tl.where(tie, other, 0.0), 0)
     t = tl.cumsum(tie.to(tl.int32), 0) - 1  # rank among the class by index
