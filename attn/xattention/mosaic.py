@@ -260,7 +260,6 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
                 lse_ref.at[pair, pl.ds(row0, 64), pl.ds(col_tile * cb, cb)][...] = lse
                 tile_lse_ref.at[pair, col_tile, pl.ds(row0, 64)][...] = row_lse
 
-
         @pl.when(wg == groups)
         def _memory():
             plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
