@@ -1,6 +1,8 @@
 """Triton XAttention estimate: antidiagonal strided scores, causal softmax per reduced row and
 block sums in two kernels, then the threshold selection in a third (`select_blocks_kernel`: the
-reference's `find_blocks` rule found by bisection, no sort).
+reference's `find_blocks` rule found by bisection, no sort). With `Config.mosaic` (what
+`FP8_CONFIG` carries) the scores run in the Mosaic GPU kernel of `attn/xattention/mosaic.py`
+where it applies, feeding the same block-sum kernel.
 
 The scores are one GEMM on the reduced matrices, `A = q_r k_rᵀ` with `q_r [T/st, st·H]` (row `m`
 is `concat_i q[m·st + st-1-i]`) and `k_r [S/st, st·H]` (row `c` is `concat_i k[c·st + i]`), so
@@ -115,9 +117,10 @@ class Config:
     # kernel (`select_blocks_kernel`: the same rule, float32 sums in the kernel's order).
     select_xla: bool = False
     # With fp8: the scores in the Mosaic GPU kernel of this configuration
-    # (`attn/xattention/mosaic.py`: TMA loads, warp-specialised, CTA pairs sharing k) where it
-    # applies (full lengths, H = 128, block / stride = 8, aligned T and S); `xattn_estimate`
-    # runs the Triton score kernel elsewhere. The block sums and the selection stay Triton's.
+    # (`attn/xattention/mosaic.py`: TMA loads, warp-specialised persistent programs) where it
+    # applies (a Hopper GPU, full lengths, H = 128, block / stride = 8, aligned T and S);
+    # `xattn_estimate` runs the Triton score kernel elsewhere. The quantisation, block sums and
+    # selection stay Triton's.
     mosaic: mosaic_scores.Config | None = None
 
     def __post_init__(self):
@@ -320,10 +323,10 @@ def _block_sums_kernel(
 
 
 # What `xattn_estimate(..., fp8=True)` runs: the Mosaic GPU score kernel where it applies (a
-# Hopper GPU, full lengths, aligned shapes: H100 S64K / S128K N32 1.756 / 6.334 ms against the
-# Triton score kernel's 1.892 / 6.975, benchmarks/NOTES.md session 10), else the Triton one with
-# 128-feature slices (one 128-byte e4m3 row per token) and 128 x 256 score tiles (2.058 / 7.05
-# ms against 2.074 / 7.38 at 128 x 128 in session 5's sweep).
+# Hopper GPU, full lengths, aligned shapes; the whole estimate on the H100 at S64K / S128K N32
+# 1.651 / 6.026 ms against 1.873 / 6.860 with the Triton score kernel, benchmarks/prefill.json),
+# else the Triton one with 128-feature slices (one 128-byte e4m3 row per token) and 128 x 256
+# score tiles (2.058 / 7.05 ms against 2.074 / 7.38 at 128 x 128 in session 5's sweep).
 FP8_CONFIG = Config(fp8=True, block_k=128, block_c=256, mosaic=mosaic_scores.Config())
 
 
@@ -440,8 +443,6 @@ def block_sums(q, k, norm, q_lengths, kv_lengths, *, block_size, stride, config)
     nt = _cdiv(_cdiv(s, stride), block_c)  # column tiles
     pairs_per_launch = max(1, min(b * n, _MAX_GRID_Y,
                                   config.scratch_bytes // (tb * r * (sb + nt) * 4)))
-    if config.mosaic is not None and pairs_per_launch > 1:
-        pairs_per_launch -= pairs_per_launch % 2  # even splits: the CTA pairs
     parts = []
     for bn0 in range(0, b * n, pairs_per_launch):
         count = min(pairs_per_launch, b * n - bn0)
@@ -546,7 +547,8 @@ def select_blocks_kernel(block_sums, diagonal, threshold, *, num_warps=None):
     reference's two sorts (an in-register sort of packed 64-bit keys, tried first, took 0.269 /
     1.418). Each bisection step is a row sum, which across warps goes through shared memory and a
     barrier: one warp (512 blocks) / two (1024) take 0.119 / 0.477 ms (4 warps 0.201 / 0.526, 8
-    warps 0.375 / 0.782; session 6 run 3). `num_warps` overrides that choice."""
+    warps 0.375 / 0.782; session 6 run 3), 0.084 / 0.357 since the bisection runs in int32
+    (session 10). `num_warps` overrides that choice."""
     if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1)):
         raise ValueError(f"num_warps={num_warps} must be a power of two >= 1")
     b, n, tb, sb = block_sums.shape
