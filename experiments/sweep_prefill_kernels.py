@@ -144,7 +144,7 @@ def xattn(quick):
                 # The Mosaic GPU score kernel (TMA, warp-specialised; full lengths only).
                 *((f"fp8 mosaic {bc} s{st}", C(fp8=True, block_k=128, mosaic=MC(
                     block_c=bc, stages=st)))
-                  for bc, st in ((256, 3), (256, 2), (128, 4)))]
+                  for bc, st in ((256, 4), (256, 3), (128, 4)))]
     for s in seqs:
         q, k, _ = _bench.qkv(s + 7, 1, s, n, kh, h)
         base = None
