@@ -76,12 +76,18 @@ def test_config_validation(kw, match):
 
 # (A last row tile running past T / st, e.g. T = 3072, is left to the GPU tests: TMA fills its
 # rows with zeros there, the interpreter's copies fail out of bounds.)
-@pytest.mark.parametrize("t,s,block_c", [(2048, 2048, 128), (2048, 4096, 256)])
-def test_interpreted_estimate_matches_reference(t, s, block_c):
+@pytest.mark.parametrize("t,s,block_c,programs", [
+    # Keys ahead of the queries (128 reduced columns); one tile a pair, one program walking both
+    # pairs' tiles through one ring of slots.
+    (2048, 4096, 256, 1),
+    # Three tiles a pair (two row tiles, two column tiles, the causal corner skipped), six items
+    # over two programs.
+    pytest.param(4096, 4096, 128, 2, marks=pytest.mark.slow),
+])
+def test_interpreted_estimate_matches_reference(t, s, block_c, programs):
     q, k = _inputs(t, s, n=2, kh=1)
-    # 3 programs: each walks several tiles (and pairs) through one ring of slots.
     config = kernel.Config(fp8=True, block_k=128, mosaic=mosaic.Config(
-        block_c=block_c, stages=2, programs=3, interpret=True))
+        block_c=block_c, stages=2, programs=programs, interpret=True))
     sums, mask = kernel.xattn_estimate(q, k, config=config)
     want_sums, want_mask = xattn_estimate(q, k, implementation="xla", fp8=True)
     # p enters the block-sum product in f16: ~2^-11 relative per entry.
