@@ -1,5 +1,5 @@
 """Mosaic GPU XAttention score kernel (Hopper, e4m3): the reduced GEMM of `triton.py`'s fp8 path
-with TMA loads, warp-specialised persistent programs.
+with TMA loads, persistent programs.
 
 It computes what `triton._tile_lse_kernel` does (per reduced row: the log2-sum-exp2 of its
 scaled scores over each key block, and over each column tile) for `triton._block_sums_kernel`
@@ -9,27 +9,29 @@ to finish; quantisation, block sums and selection stay the Triton kernels'.
   longest row tiles first) of each (request, query head) pair, tiles fastest, so the programs
   in flight share one head's q and k in L2. One persistent program per SM takes every
   `programs`-th item.
-- Three warp groups. A TMA group walks the program's items slice by slice through one ring of
-  `stages` slots: slice `i` of a tile is q rows `m·st + st-1-i` (`[128, H]`) and k rows
+- Two warp groups of 64 reduced rows each walk the program's items slice by slice through one
+  ring of `stages` slots: slice `i` of a tile is q rows `m·st + st-1-i` (`[128, H]`) and k rows
   `c·st + i` (`[block_c, H]`), read through `[B, T/st, st, N, H]` views, so the antidiagonal
-  gather is the TMA box's row stride; it runs on into the next tile while the compute groups
-  finish one. Two compute groups (64 reduced rows each) issue one `e4m3 x e4m3 -> f32` wgmma a
-  slice on the shared k slice and release the slot (two arrivals).
-- Epilogue per compute group: scores times the q row scales (the score scale folded in) and the
-  k column scales, the causal rule `c <= m + shift`, the row maximum, `p = 2^(s - max)`; the
-  block sums `Σ_{c in block} p` as one more wgmma, `p` (f16, registers) times a 0/1 matrix
+  gather is the TMA box's row stride. Each group issues one `e4m3 x e4m3 -> f32` wgmma a slice
+  on the shared k slice and releases the slot (two arrivals); group 0 then refills it with the
+  slice `stages` steps on, which runs on into the next tile, so the ring is full while the
+  groups finish a tile. (Session 10's separate TMA warp group made the kernel 384 threads, built
+  for 168 registers a thread; without it the groups get 255 and the kernel is 3-6% faster.)
+- Epilogue per group: scores times the q row scales (the score scale folded in; both scales'
+  loads issued before the mainloop) and the k column scales, the causal rule `c <= m + shift`
+  (on tiles across the diagonal only), the row maximum, `p = 2^(s - max)`; the block sums
+  `Σ_{c in block} p` as one more wgmma, `p` (f16, registers) times a 0/1 matrix
   `E [block_c, block_c / R]` in shared memory (f32 accumulation; p's f16 rounding moves a block
   sum by ~2^-11 of itself); then `max + log2(sum)` and the tile's row log-sum-exp, stored to
   GMEM from the registers (`[pairs, RP, Sb]` and `[pairs, NT, RP]`, `RP` the reduced rows
   padded to whole row tiles).
 
-Where the time goes (H100, S64K N32 / K8, benchmarks/NOTES.md session 10): the slices' loads
-alone take ~0.9 ms, 786 KB per tile at ~32 B per clock per SM (CTA pairs multicasting k did not
-change it: the bound is each SM's intake, not L2); wgmma and epilogue add ~0.25 ms; 128 x 256 is
-the largest tile the registers hold (three compute groups do not compile: ptxas needs >= 154
-registers a thread for a 64 x 256 accumulator, a four-warp-group kernel gets 128). Scores + block
-sums 1.65 ms, the whole fp8 estimate 1.756 ms against 1.892 with the Triton score kernel;
-S128K 6.334 against 6.975.
+Where the time goes (H100, S64K N32 / K8, benchmarks/NOTES.md sessions 10-11): the slices'
+loads alone take ~0.9 ms, 786 KB per tile at ~32 B per clock per SM (CTA pairs multicasting k
+did not change it: the bound is each SM's intake, not L2); the epilogue adds ~0.2 ms (without
+it 0.77 of ~0.98). 128 x 256 is the largest tile the registers hold: a 64 x 256 f32
+accumulator is 128 registers a thread, and a third group (192-row tiles, 0.79x the intake a
+score) leaves 168 registers a thread, where group 0's copy issue spills.
 
 Supports (else NotImplementedError; the caller runs the Triton kernel): full lengths, `H = 128`,
 `block_size / stride = 8`, `T` a multiple of `64·stride`, `S` of `block_c·stride`, `T <= S`
@@ -53,8 +55,11 @@ from attn.dense import mosaic as dense_mosaic
 _GROUP_ROWS = 64  # reduced rows a compute warp group (one wgmma M)
 _HEAD_DIM = 128  # one slice = one 128-byte e4m3 row = the 128-byte swizzle
 _R = 8  # reduced columns per key block (block_size / stride)
-_GROUPS = 2  # compute warp groups: a program's tile is 128 x block_c
-_COMPUTE_REGISTERS, _MEMORY_REGISTERS = 232, 40
+# Compute warp groups: a program's tile is 128 x block_c. Two groups (256 threads) get 255
+# registers a thread; a third (384 threads: 168) spills group 0's copy issue next to a 64 x 256
+# accumulator (524 bytes, the scores 1.54 ms against 0.98 at S64K, session 11).
+_GROUPS = 2
+_SMEM_BYTES = 227 * 1024  # Hopper's shared memory per block
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,8 +68,8 @@ class Config:
     group), `stages` slices in flight."""
 
     block_c: int = 256
-    # H100 S64K / S128K estimate: 2 slots 1.880 / -, 3 slots 1.742 / 6.294, 4 slots 1.701 /
-    # 6.176 ms (5 do not fit at 256 columns).
+    # H100 S64K / S128K estimate (session 10's kernel): 2 slots 1.880 / -, 3 slots 1.742 /
+    # 6.294, 4 slots 1.701 / 6.176 ms (5 do not fit at 256 columns).
     stages: int = 4
     # Persistent programs, each walking every `programs`-th (pair, tile) item (default: one per
     # SM), so the TMA ring runs on into the next tile while the compute groups finish one.
@@ -79,6 +84,16 @@ class Config:
             raise ValueError(f"stages={self.stages} must be >= 2")
         if self.programs is not None and self.programs < 1:
             raise ValueError(f"programs={self.programs} must be positive")
+        if self.smem_bytes > _SMEM_BYTES:
+            raise ValueError(f"stages={self.stages} slots of {_GROUP_ROWS * _GROUPS} q + "
+                             f"{self.block_c} k rows need {self.smem_bytes} bytes of shared "
+                             f"memory, over {_SMEM_BYTES}")
+
+    @property
+    def smem_bytes(self) -> int:
+        """The ring of e4m3 q / k slices and the block matrix."""
+        return (self.stages * (_GROUP_ROWS * _GROUPS + self.block_c) * _HEAD_DIM
+                + self.block_c * (self.block_c // _R) * 2)
 
 
 def check_supported(q, k, *, block_size: int, stride: int, q_lengths, kv_lengths,
@@ -102,6 +117,11 @@ def check_supported(q, k, *, block_size: int, stride: int, q_lengths, kv_lengths
         got = _checks.concrete(lengths)
         if got is None or np.any(got != full):
             refuse(f"{name}={lengths!r}: only the full length {full}")
+    if config.interpret and (t // stride) % (_GROUP_ROWS * _GROUPS):
+        # TMA fills a last row tile's rows past T / st with zeros; the interpreter's copies
+        # fail out of bounds instead.
+        refuse(f"T={t}: interpreted, T / stride must be a multiple of {_GROUP_ROWS * _GROUPS} "
+               f"(whole row tiles)")
     if device and not config.interpret:
         dense_mosaic.check_device()
 
@@ -182,6 +202,7 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
         wg = lax.axis_index("wg")
         pid = lax.axis_index("programs")
         mine = (total - 1 - pid) // programs + 1  # work items of this program
+        steps = mine * st  # slices of all this program's tiles, one ring
 
         def item(j):
             """The j-th work item of this program: its pair, head, KV head, tile origin."""
@@ -191,98 +212,103 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
             col_tile = tiles_ref[tile, 1]
             return pair, bi, head, head // g, tiles_ref[tile, 0] * block_r, col_tile
 
-        @pl.when(wg < groups)
-        def _compute():
-            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+        def copy(step):
+            """Issue slice `step % st` of item `step // st` into its slot (group 0 only)."""
+            _, bi, head, kv_head, m0, col_tile = item(step // st)
+            i, slot = lax.rem(step, st), lax.rem(step, stages)
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(m0, block_r), st - 1 - i, head],
+                                    q_smem.at[slot], ready.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(col_tile * bc, bc), i, kv_head],
+                                    k_smem.at[slot], ready.at[slot])
 
-            @pl.when(wg == 0)
+        def consumed(step):
+            """Every group is done with `step`'s slot; group 0 refills it `stages` steps on."""
+            plgpu.barrier_arrive(free.at[lax.rem(step, stages)])
+
+            @pl.when((wg == 0) & (step + stages < steps))
             def _():
-                plgpu.copy_gmem_to_smem(e_ref, e_smem, e_ready)
+                plgpu.barrier_wait(free.at[lax.rem(step, stages)])
+                copy(step + stages)
 
-            plgpu.barrier_wait(e_ready)
-
-            @pl.loop(0, mine)
-            def _(j):
-                pair, bi, head, kv_head, m0, col_tile = item(j)
-                c0, row0 = col_tile * bc, m0 + wg * 64
-                if interpret is None:
-                    def mainloop(acc_ref):
-                        @pl.loop(0, st)
-                        def _(i):
-                            slot = lax.rem(j * st + i, stages)
-                            plgpu.barrier_wait(ready.at[slot])
-                            plgpu.wgmma(acc_ref, q_smem.at[slot, pl.ds(wg * 64, 64)],
-                                        dense_mosaic._transposed(plgpu, k_smem.at[slot]))
-                            plgpu.wgmma_wait(0)
-                            plgpu.barrier_arrive(free.at[slot])
-
-                        return acc_ref[...]
-
-                    acc = pl.run_scoped(mainloop, plgpu.ACC((64, bc), jnp.float32))
-                else:  # the same products of the same shared-memory tiles
-                    def step(i, acc):
-                        slot = lax.rem(j * st + i, stages)
-                        plgpu.barrier_wait(ready.at[slot])
-                        qt = q_smem.at[slot, pl.ds(wg * 64, 64)][...].astype(jnp.float32)
-                        kt = k_smem.at[slot][...].astype(jnp.float32)
-                        acc = acc + lax.dot_general(qt, kt, (((1,), (1,)), ((), ())),
-                                                    preferred_element_type=jnp.float32)
-                        plgpu.barrier_arrive(free.at[slot])
-                        return acc
-
-                    acc = lax.fori_loop(0, st, step, jnp.zeros((64, bc), jnp.float32))
-
-                # The memory group meanwhile loads the next tile's first slices.
-                qs = load(qs_ref.at[bi, head, pl.ds(row0, 64)], plgpu.Layout.WGMMA.reduce(1))
-                ks = load(ks_ref.at[bi, kv_head, pl.ds(c0, bc)], plgpu.Layout.WGMMA.reduce(0))
-                a = (acc * lax.broadcast_in_dim(qs, acc.shape, [0])
-                     * lax.broadcast_in_dim(ks, acc.shape, [1]))
-                vis = c0 + iota(acc.shape, 1) <= row0 + shift + iota(acc.shape, 0)
-                a = jnp.where(vis, a, -jnp.inf)
-                mx = a.max(axis=1)
-                mx = jnp.where(mx == -jnp.inf, 0.0, mx)
-                p = jnp.exp2(a - lax.broadcast_in_dim(mx, a.shape, [0])).astype(jnp.float16)
-                if interpret is None:
-                    def block_sums(ref):
-                        plgpu.wgmma(ref, p, e_smem)
-                        return ref[...]
-
-                    blk = pl.run_scoped(block_sums, plgpu.ACC((64, cb), jnp.float32))
-                else:
-                    blk = jnp.dot(p.astype(jnp.float32), e_smem[...].astype(jnp.float32))
-                row = blk.sum(axis=1)
-                lse = jnp.where(blk > 0.0, lax.broadcast_in_dim(mx, blk.shape, [0])
-                                + jnp.log2(jnp.where(blk > 0.0, blk, 1.0)), -jnp.inf)
-                row_lse = jnp.where(row > 0.0, mx + jnp.log2(jnp.where(row > 0.0, row, 1.0)),
-                                    -jnp.inf)
-                # Straight from the registers (staging through shared memory and TMA measured
-                # 1% slower at 3 slots, and its 16 KiB keep a fourth slot out).
-                lse_ref.at[pair, pl.ds(row0, 64), pl.ds(col_tile * cb, cb)][...] = lse
-                tile_lse_ref.at[pair, col_tile, pl.ds(row0, 64)][...] = row_lse
-
-        @pl.when(wg == groups)
-        def _memory():
-            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
-            steps = mine * st  # slices of all this program's tiles, one ring
-
-            def copy(step):
-                _, bi, head, kv_head, m0, col_tile = item(step // st)
-                i, slot = lax.rem(step, st), lax.rem(step, stages)
-                plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(m0, block_r), st - 1 - i, head],
-                                        q_smem.at[slot], ready.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(col_tile * bc, bc), i, kv_head],
-                                        k_smem.at[slot], ready.at[slot])
+        @pl.when(wg == 0)
+        def _():
+            plgpu.copy_gmem_to_smem(e_ref, e_smem, e_ready)
 
             @pl.loop(0, jnp.minimum(steps, stages))
             def _(step):
                 copy(step)
 
-            @pl.loop(stages, steps)
-            def _(step):
-                plgpu.barrier_wait(free.at[lax.rem(step, stages)])
-                copy(step)
+        plgpu.barrier_wait(e_ready)
 
-            @pl.loop(jnp.maximum(steps - stages, 0), steps)  # observe the last releases
+        @pl.loop(0, mine)
+        def _(j):
+            pair, bi, head, kv_head, m0, col_tile = item(j)
+            c0, row0 = col_tile * bc, m0 + wg * _GROUP_ROWS
+            # The scales' loads are issued here and land during the mainloop.
+            qs = load(qs_ref.at[bi, head, pl.ds(row0, _GROUP_ROWS)], plgpu.Layout.WGMMA.reduce(1))
+            ks = load(ks_ref.at[bi, kv_head, pl.ds(c0, bc)], plgpu.Layout.WGMMA.reduce(0))
+            if interpret is None:
+                def mainloop(acc_ref):
+                    @pl.loop(0, st)
+                    def _(i):
+                        slot = lax.rem(j * st + i, stages)
+                        plgpu.barrier_wait(ready.at[slot])
+                        plgpu.wgmma(acc_ref, q_smem.at[slot, pl.ds(wg * _GROUP_ROWS, _GROUP_ROWS)],
+                                    dense_mosaic._transposed(plgpu, k_smem.at[slot]))
+                        plgpu.wgmma_wait(0)
+                        consumed(j * st + i)
+
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(mainloop, plgpu.ACC((_GROUP_ROWS, bc), jnp.float32))
+            else:  # the same products of the same shared-memory tiles
+                def step(i, acc):
+                    slot = lax.rem(j * st + i, stages)
+                    plgpu.barrier_wait(ready.at[slot])
+                    qt = q_smem.at[slot, pl.ds(wg * _GROUP_ROWS, _GROUP_ROWS)][...]
+                    kt = k_smem.at[slot][...].astype(jnp.float32)
+                    acc = acc + lax.dot_general(qt.astype(jnp.float32), kt,
+                                                (((1,), (1,)), ((), ())),
+                                                preferred_element_type=jnp.float32)
+                    consumed(j * st + i)
+                    return acc
+
+                acc = lax.fori_loop(0, st, step, jnp.zeros((_GROUP_ROWS, bc), jnp.float32))
+
+            # The next tile's first slices are in flight meanwhile.
+            a = (acc * lax.broadcast_in_dim(qs, acc.shape, [0])
+                 * lax.broadcast_in_dim(ks, acc.shape, [1]))
+
+            def causal(a):
+                vis = c0 + iota(acc.shape, 1) <= row0 + shift + iota(acc.shape, 0)
+                return jnp.where(vis, a, -jnp.inf)
+
+            # Only tiles across the diagonal have columns past a row's reach.
+            a = lax.cond(c0 + bc - 1 > row0 + shift, causal, lambda a: a, a)
+            mx = a.max(axis=1)
+            mx = jnp.where(mx == -jnp.inf, 0.0, mx)
+            p = jnp.exp2(a - lax.broadcast_in_dim(mx, a.shape, [0])).astype(jnp.float16)
+            if interpret is None:
+                def block_sums(ref):
+                    plgpu.wgmma(ref, p, e_smem)
+                    return ref[...]
+
+                blk = pl.run_scoped(block_sums, plgpu.ACC((_GROUP_ROWS, cb), jnp.float32))
+            else:
+                blk = jnp.dot(p.astype(jnp.float32), e_smem[...].astype(jnp.float32))
+            row = blk.sum(axis=1)
+            lse = jnp.where(blk > 0.0, lax.broadcast_in_dim(mx, blk.shape, [0])
+                            + jnp.log2(jnp.where(blk > 0.0, blk, 1.0)), -jnp.inf)
+            row_lse = jnp.where(row > 0.0, mx + jnp.log2(jnp.where(row > 0.0, row, 1.0)),
+                                -jnp.inf)
+            # Straight from the registers (staging through shared memory and TMA measured 1%
+            # slower, session 10).
+            lse_ref.at[pair, pl.ds(row0, _GROUP_ROWS), pl.ds(col_tile * cb, cb)][...] = lse
+            tile_lse_ref.at[pair, col_tile, pl.ds(row0, _GROUP_ROWS)][...] = row_lse
+
+        @pl.when(wg == 0)
+        def _():  # observe the releases no refill waited for (the interpreter checks)
+            @pl.loop(jnp.maximum(steps - stages, 0), steps)
             def _(step):
                 plgpu.barrier_wait(free.at[lax.rem(step, stages)])
 
@@ -294,7 +320,8 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
              plgpu.SMEM((stages, bc, h), k8.dtype, transforms=fp8),
              plgpu.SMEM((bc, cb), jnp.float16, transforms=(
                  plgpu.TilingTransform((8, cb)), plgpu.SwizzleTransform(2 * cb)))),
-            # A slot is ready when both its copies (q, k) have landed: two arrivals.
+            # A slot is ready when both its copies (q, k) have landed: two arrivals; free when
+            # every compute group has read it.
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier()),
             plgpu.Barrier(num_arrivals=groups, num_barriers=stages),
             collective_axes="wg",
@@ -306,7 +333,7 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
                   jax.ShapeDtypeStruct((count, nt, rows_p), jnp.float32)),
         grid=(programs,),
         grid_names=("programs",),
-        num_threads=groups + 1,
+        num_threads=groups,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,

@@ -50,6 +50,8 @@ def test_block_matrix_sums_each_key_block():
     (((8192, 128), (4096, 128)), {}, "T <= S"),
     (((2048, 128), (4096, 128)), {"kv_lengths": jnp.array([2000])}, "kv_lengths"),
     (((2048, 128), (4096, 128)), {"q_lengths": jnp.array([2048])}, None),  # full: accepted
+    # Interpreted, a last row tile past T / st (192 reduced rows) would copy out of bounds.
+    (((3072, 128), (4096, 128)), {}, "T=3072: interpreted"),
 ])
 def test_refusals_name_the_value(shapes, options, match):
     (t, h), (s, hk) = shapes
@@ -64,7 +66,8 @@ def test_refusals_name_the_value(shapes, options, match):
 
 
 @pytest.mark.parametrize("kw,match", [({"block_c": 64}, "block_c=64"),
-                                      ({"stages": 1}, "stages=1")])
+                                      ({"stages": 1}, "stages=1"),
+                                      ({"stages": 5}, "stages=5 .* 262144 bytes")])
 def test_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         mosaic.Config(**kw)
@@ -88,6 +91,9 @@ def test_interpreted_estimate_matches_reference(t, s, block_c, programs):
     q, k = _inputs(t, s, n=2, kh=1)
     config = kernel.Config(fp8=True, block_k=128, mosaic=mosaic.Config(
         block_c=block_c, stages=2, programs=programs, interpret=True))
+    # The Mosaic kernel runs (the estimate would fall back to Triton's if it refused).
+    mosaic.check_supported(q, k, block_size=128, stride=16, q_lengths=None, kv_lengths=None,
+                           config=config.mosaic)
     sums, mask = kernel.xattn_estimate(q, k, config=config)
     want_sums, want_mask = xattn_estimate(q, k, implementation="xla", fp8=True)
     # p enters the block-sum product in f16: ~2^-11 relative per entry.
@@ -118,7 +124,10 @@ def test_gpu_matches_triton_fp8(t, s, n, kh, block_c, stages, programs):
     q, k = _inputs(t, s, n, kh)
     config = dataclasses.replace(kernel.FP8_CONFIG, mosaic=mosaic.Config(
         block_c=block_c, stages=stages, programs=programs))
+    mosaic.check_supported(q, k, block_size=128, stride=16, q_lengths=None, kv_lengths=None,
+                           config=config.mosaic)
     sums, mask = kernel.xattn_estimate(q, k, config=config)
-    want_sums, want_mask = kernel.xattn_estimate(q, k, config=kernel.FP8_CONFIG)
+    want_sums, want_mask = kernel.xattn_estimate(
+        q, k, config=dataclasses.replace(kernel.FP8_CONFIG, mosaic=None))  # Triton's scores
     np.testing.assert_allclose(sums, want_sums, rtol=3e-3, atol=1e-5)
     assert np.mean(np.asarray(mask) == np.asarray(want_mask)) > 0.999
