@@ -402,7 +402,8 @@ def quantize_e4m3_kernel(x, lengths, stride, groups):
     groups]` with `groups >= ceil(L / stride)` (the extra groups get scale 1)."""
     b, l, heads, h = x.shape
     block_h = triton.next_power_of_2(h)
-    block_n = max(1, min(triton.next_power_of_2(heads), 4096 // (stride * block_h)))
+    # 4 heads a program at stride 16, H128 (H100 S64K N32: 0.282 ms against 0.296 with 2).
+    block_n = max(1, min(triton.next_power_of_2(heads), 8192 // (stride * block_h)))
     return triton_call(
         x, lengths.astype(jnp.int32),
         kernel=_quantize_kernel,
