@@ -340,7 +340,7 @@ def _block_sums_kernel(
 
 # What `xattn_estimate(..., fp8=True)` runs: the Mosaic GPU score kernel where it applies (a
 # Hopper GPU, full lengths, aligned shapes; the whole estimate on the H100 at S64K / S128K N32
-# 1.473 / 5.301 ms against 1.725 / 6.355 with the Triton score kernel, benchmarks/prefill.json),
+# 1.463 / 5.205 ms against 1.732 / 6.365 with the Triton score kernel, benchmarks/prefill.json),
 # else the Triton one with 128-feature slices (one 128-byte e4m3 row per token) and 128 x 256
 # score tiles (2.058 / 7.05 ms against 2.074 / 7.38 at 128 x 128 in session 5's sweep).
 FP8_CONFIG = Config(fp8=True, block_k=128, block_c=256, mosaic=mosaic_scores.Config())
