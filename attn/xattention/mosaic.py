@@ -36,7 +36,8 @@ score) leaves 168 registers a thread, where group 0's copy issue spills.
 Supports (else NotImplementedError; the caller runs the Triton kernel): full lengths, `H = 128`,
 `block_size / stride = 8`, `T` a multiple of `64·stride`, `S` of `block_c·stride`, `T <= S`
 (queries at the end of the keys). A Hopper GPU; on the CPU it runs in Pallas's Mosaic GPU
-interpreter with `interpret=True` (the wgmmas as `jnp` products of the same shared-memory tiles).
+interpreter with `interpret=True` (the wgmmas as `jnp` products of the same shared-memory tiles;
+`T / stride` a multiple of 128 there, whole row tiles: its copies fail out of bounds).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ class Config:
     group), `stages` slices in flight."""
 
     block_c: int = 256
-    # H100 S64K / S128K estimate (session 10's kernel): 2 slots 1.880 / -, 3 slots 1.742 /
-    # 6.294, 4 slots 1.701 / 6.176 ms (5 do not fit at 256 columns).
+    # H100 S64K scores alone: 4 slots 0.960-0.966 ms, 3 slots 1.10-1.12 (session 11); 5 do not
+    # fit at 256 columns.
     stages: int = 4
     # Persistent programs, each walking every `programs`-th (pair, tile) item (default: one per
     # SM), so the TMA ring runs on into the next tile while the compute groups finish one.
