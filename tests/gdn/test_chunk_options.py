@@ -23,6 +23,7 @@ from tests.attn.test_gdn_triton import (
     _chunk_problem,
     _recurrent64,
     check_option_bf16_varlen_with_states,
+    slow_if_inside_another,
 )
 from tests.utils import assert_close, case_id, rng
 
@@ -64,8 +65,39 @@ def _bits(x):
     return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
-@pytest.mark.parametrize("opts", OPTIONS, ids=IDS)
-@pytest.mark.parametrize("varlen", [False, True], ids=["B2-T130", "varlen"])
+def _bitwise_configs(opts):
+    """(baseline, baseline with `opts`) on top of `default_config` for the bitwise test."""
+    base = tc.default_config(2, 4, 32)
+    extra = {k: v for k, v in opts.items() if k not in ("store_kn", "fuse_output")}
+    if "block_hv_state" in extra:  # the baseline on the same slices
+        base = dataclasses.replace(base, block_hv_state=extra.pop("block_hv_state"))
+    if not opts.get("fuse_output", True):  # without the options that need the fused output
+        base = dataclasses.replace(base, fuse_output=False, store_qn=False, qk_in_state=False)
+    return base, dataclasses.replace(base, **extra)
+
+
+# Row-layout singletons that also run, bitwise, inside a combination of OPTIONS in the same layout
+# (prefetch + slice-major, the qk_in_state / store_qn / majors one, u-ahead + gates-ahead); each
+# keeps its varlen case here and its float32 row-layout case against float64 below.
+ROWS_IN_A_COMBINATION = [dict(state_prefetch=True), dict(FUSED, qk_in_state=True),
+                         dict(state_gates_ahead=True), dict(state_u_ahead=True)]
+
+
+def _bitwise_cases():
+    """OPTIONS x {B2-T130, varlen}. Slow (CPU CI time, ~14 s each): options `default_config`
+    already sets (majors, store_qn: the defaults against themselves, a determinism check only)
+    and ROWS_IN_A_COMBINATION in the row layout."""
+    cases = []
+    for varlen, layout in ((False, "B2-T130"), (True, "varlen")):
+        for opts, name in zip(OPTIONS, IDS, strict=True):
+            base, config = _bitwise_configs(opts)
+            slow = config == base or (not varlen and opts in ROWS_IN_A_COMBINATION)
+            cases.append(pytest.param(opts, varlen, id=f"{layout}-{name}",
+                                      marks=[pytest.mark.slow] if slow else []))
+    return cases
+
+
+@pytest.mark.parametrize("opts,varlen", _bitwise_cases())
 def test_option_is_bitwise_the_defaults(opts, varlen):
     """bf16, GVA 2 -> 4 value heads, with initial states, on top of `default_config` (fused,
     out_bf16, store_kn, ...): the same output and final state bit for bit, rows of B tokens
@@ -76,14 +108,9 @@ def test_option_is_bitwise_the_defaults(opts, varlen):
     else:
         xs, h0 = _chunk_problem(rng(), b=2, t=130, nk=2, nv=4, h=16, hv=32, dtype=jnp.bfloat16)
         cu = None
-    base = tc.default_config(2, 4, 32)
-    extra = {k: v for k, v in opts.items() if k not in ("store_kn", "fuse_output")}
-    if "block_hv_state" in extra:  # the baseline on the same slices
-        base = dataclasses.replace(base, block_hv_state=extra.pop("block_hv_state"))
-    if not opts.get("fuse_output", True):  # without the options that need the fused output
-        base = dataclasses.replace(base, fuse_output=False, store_qn=False, qk_in_state=False)
+    base, config = _bitwise_configs(opts)
     o0, f0 = _run(xs, h0, base, cu)
-    o, f = _run(xs, h0, dataclasses.replace(base, **extra), cu)
+    o, f = _run(xs, h0, config, cu)
     assert np.isfinite(np.asarray(o, np.float32)).all()
     np.testing.assert_array_equal(_bits(o), _bits(o0))
     np.testing.assert_array_equal(_bits(f), _bits(f0))
@@ -100,7 +127,7 @@ def test_option_float32_matches_float64(opts):
     assert_close(final, final64, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("opts", OPTIONS, ids=IDS)
+@pytest.mark.parametrize("opts", slow_if_inside_another(OPTIONS, IDS))
 def test_option_bf16_varlen_with_states(opts):
     """bf16 packed sequences of 1, 70, 0 and 64 tokens with their own initial states, on top of
     PLAIN: each sequence against the float64 recurrence by relative-norm error, <= 3e-2 and
