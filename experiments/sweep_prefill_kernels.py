@@ -141,7 +141,7 @@ def xattn(quick):
                 # Wider tiles: more FLOPs per byte of the q / k slices read from L2.
                 ("fp8 128x256", C(fp8=True, block_k=128, block_c=256)),
                 ("fp8 api", xattn_triton.FP8_CONFIG),
-                # The Mosaic GPU score kernel (TMA, warp-specialised; full lengths only).
+                # The Mosaic GPU score kernel (TMA-fed e4m3 wgmma; full lengths only).
                 *((f"fp8 mosaic {bc} s{st}", C(fp8=True, block_k=128, mosaic=MC(
                     block_c=bc, stages=st)))
                   for bc, st in ((256, 4), (256, 3), (128, 4)))]
