@@ -6,6 +6,15 @@ outputs described by `out_shape`, then the `tl.constexpr` keywords. On a GPU it 
 interpreter on torch CPU tensors inside a `jax.pure_callback`, so it also works under `jit` and
 lets CI check every kernel against its reference.
 
+Gradients. A Triton launch has no derivative of its own: an op with a backward wraps its kernels
+in a `jax.custom_vjp` (dense flash, paged prefill, GDN chunk, conv1d prefill), whose forward and
+backward call `triton_call` on primal values only. Every launch is also wrapped in a
+`jax.custom_jvp` whose rule raises a `TypeError` naming the op, so differentiating a forward-only
+kernel (paged decode, merge, the XAttention estimate, ...) says which op and what to do instead
+rather than JAX's "Pure callbacks do not support JVP" (CPU) or a missing rule of jax-triton's
+primitive (GPU). Inside a `custom_vjp` the rule never fires (first-order gradients are
+unaffected); differentiating such a backward again (a second derivative) reaches it.
+
 `resolve_implementation` turns the public `implementation=` argument into a concrete backend.
 
 Not supported: autotuned kernels (pass explicit tile sizes) and `zeroed_outputs` given as a
@@ -74,6 +83,7 @@ def triton_call(
     input_output_aliases: Mapping[int, int] | None = None,
     zeroed_outputs: Sequence[int] = (),
     interpret: bool | None = None,
+    name: str | None = None,
     **metaparams: Any,
 ) -> Any:
     """Call a `@triton.jit` kernel from JAX; compiled on GPU, interpreted on CPU.
@@ -91,11 +101,59 @@ def triton_call(
         for integer types) on the CPU path, so a kernel that forgets to write shows up in tests.
       interpret: force the interpreter (True) or jax-triton (False); default: interpreter unless
         the default backend is a GPU.
+      name: the op, for the error raised when the launch is differentiated; default: the
+        kernel's module and function (`attn.paged_decode.triton._paged_decode_kernel`).
       **metaparams: `tl.constexpr` values.
 
     Returns:
       One array, or a tuple matching `out_shape` when a sequence was given.
+
+    Raises:
+      TypeError: (when differentiated: `jax.grad`, `jax.jvp`, `jax.vjp`) a float input carries a
+        tangent; the launch has no derivative (see the module docstring).
     """
+    array_pos = tuple(i for i, a in enumerate(args) if isinstance(a, jax.Array | np.ndarray))
+
+    def launch(*arrays):
+        full = list(args)
+        for pos, a in zip(array_pos, arrays):
+            full[pos] = a
+        return _launch(*full, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
+                       num_stages=num_stages, input_output_aliases=input_output_aliases,
+                       zeroed_outputs=zeroed_outputs, interpret=interpret, **metaparams)
+
+    guarded = jax.custom_jvp(launch)
+    guarded.defjvp(functools.partial(_no_derivative, op=name or _kernel_name(kernel)))
+    return guarded(*(args[i] for i in array_pos))
+
+
+def _kernel_name(kernel: Any) -> str:
+    fn = getattr(kernel, "fn", kernel)
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', repr(kernel))}"
+
+
+def _no_derivative(primals, tangents, *, op: str):
+    del primals, tangents
+    raise TypeError(
+        f"{op} is a forward-only Triton kernel: it has no gradient (jax.grad / jax.jvp / "
+        "jax.vjp reached it). Differentiate the op with implementation='xla' (on a GPU "
+        "implementation='auto' picks this kernel), take the gradient of its reference.py, or "
+        "jax.lax.stop_gradient its inputs if no gradient should flow through it.")
+
+
+def _launch(
+    *args: jax.Array | int | float | bool,
+    kernel: Any,
+    out_shape: jax.ShapeDtypeStruct | Sequence[jax.ShapeDtypeStruct],
+    grid: int | tuple[int, ...] | Callable[[dict[str, Any]], tuple[int, ...]],
+    num_warps: int,
+    num_stages: int,
+    input_output_aliases: Mapping[int, int] | None,
+    zeroed_outputs: Sequence[int],
+    interpret: bool | None,
+    **metaparams: Any,
+) -> Any:
+    """`triton_call` without the derivative guard."""
     single = isinstance(out_shape, jax.ShapeDtypeStruct)
     out_shapes = (out_shape,) if single else tuple(out_shape)
     aliases = dict(input_output_aliases or {})
