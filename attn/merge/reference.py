@@ -4,6 +4,8 @@ Split-KV decoding attends each split of the keys separately, giving a partial ou
 within the split and that split's log-sum-exp. The exact full-attention result is the
 lse-weighted average of the partials. Splits that saw no key carry lse = -inf and weigh nothing,
 whatever their (possibly NaN) partial output; a row with no key in any split gives 0 and -inf.
+Emptiness is `lse == -inf` and nothing else: a NaN lse or a NaN partial of a split that saw keys
+makes the merged row NaN (never an empty row, never dropped by a weight that underflows).
 """
 
 import jax.numpy as jnp
@@ -23,11 +25,13 @@ def merge_partials(
       `(out [*R, Hv] float32, lse [*R] float32)`.
     """
     lse = lse.astype(jnp.float32)
-    m = jnp.max(lse, axis=-1)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    empty = lse == -jnp.inf  # [*R, P] splits that saw no key
+    none = jnp.all(empty, axis=-1)  # [*R] rows that saw no key at all
+    m = jnp.max(lse, axis=-1)  # NaN if some split's lse is NaN
+    m_safe = jnp.where(none, 0.0, m)
     w = jnp.exp(lse - m_safe[..., None])  # [*R, P]; exactly 0 for empty splits
-    denom = jnp.sum(w, axis=-1)
-    o = jnp.where(w[..., None] > 0, o.astype(jnp.float32), 0.0)
-    out = jnp.einsum("...p,...ph->...h", w, o) / jnp.where(denom > 0, denom, 1.0)[..., None]
-    lse_out = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    denom = jnp.where(none, 1.0, jnp.sum(w, axis=-1))
+    o = jnp.where(empty[..., None], 0.0, o.astype(jnp.float32))
+    out = jnp.einsum("...p,...ph->...h", w, o) / denom[..., None]
+    lse_out = jnp.where(none, -jnp.inf, m_safe + jnp.log(denom))
     return out, lse_out

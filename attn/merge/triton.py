@@ -1,7 +1,9 @@
 """Triton merge of split-KV partials: one program per row, all splits and features in registers.
 
 Supports any number of splits and any `Hv` (padded to powers of two and masked). Rows are the
-flattened leading axes. Output is float32, as the reference.
+flattened leading axes. Output is float32, as the reference. A split is empty iff its lse is -inf
+(counted, not read off the max: the GPU's max drops a NaN operand), so a NaN lse or partial of a
+split that saw keys makes the row NaN, as in the reference.
 """
 
 import triton
@@ -27,20 +29,21 @@ def _merge_kernel(
     mask_p = offs_p < P
     mask_h = offs_h < HV
     lse = tl.load(lse_ptr + row * P + offs_p, mask=mask_p, other=float("-inf"))  # [BLOCK_P]
+    empty = lse == float("-inf")  # [BLOCK_P]; padding splits too
+    none = tl.sum(tl.where(empty, 0, 1), axis=0) == 0  # the row saw no key in any split
     m = tl.max(lse, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)  # [BLOCK_P]; 0 for empty splits
-    denom = tl.sum(w, axis=0)
+    m_safe = tl.where(none, 0.0, m)
+    w = tl.exp(lse - m_safe)  # [BLOCK_P]; 0 for empty splits, NaN for a NaN lse
+    denom = tl.where(none, 1.0, tl.sum(w, axis=0))
     o = tl.load(  # [BLOCK_P, BLOCK_HV]
         o_ptr + row * P * HV + offs_p[:, None] * HV + offs_h[None, :],
         mask=mask_p[:, None] & mask_h[None, :],
         other=0.0,
     ).to(tl.float32)
-    o = tl.where(w[:, None] > 0, o, 0.0)  # an empty split's partial may be NaN
-    safe_denom = tl.where(denom > 0, denom, 1.0)
-    out = tl.sum(w[:, None] * o, axis=0) / safe_denom  # [BLOCK_HV]
+    o = tl.where(empty[:, None], 0.0, o)  # an empty split's partial may be NaN
+    out = tl.sum(w[:, None] * o, axis=0) / denom  # [BLOCK_HV]
     tl.store(out_ptr + row * HV + offs_h, out, mask=mask_h)
-    out_lse = tl.where(denom > 0, m_safe + tl.log(safe_denom), float("-inf"))
+    out_lse = tl.where(none, float("-inf"), m_safe + tl.log(denom))
     tl.store(out_lse_ptr + row, out_lse)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +76,8 @@ def _check_per_head(name: str, value, num_kv: int, *, non_negative: bool, batch:
     if value.shape not in ((num_kv,), (batch, num_kv)):
         raise ValueError(f"{name}.shape={value.shape} must be [K]=({num_kv},) or "
                          f"[B, K]={(batch, num_kv)}")
+    if non_negative:
+        _checks.check_range(name, value, 0)
     return jnp.asarray(value)
 
 
@@ -111,12 +112,11 @@ def _validate(q, k_pages, v_pages, block_tables, lengths, *, scale, window, sink
     if not isinstance(num_splits, int) or isinstance(num_splits, bool):
         raise TypeError(f"{num_splits=} must be an int")
     _checks.check_positive("num_splits", num_splits)
-    if scale is not None:
-        if not isinstance(scale, int | float) or isinstance(scale, bool):
-            raise TypeError(f"{scale=} must be a Python float or None")
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"{scale=} must be finite and positive")
-        scale = float(scale)
+    scale = _checks.check_scale(scale)
+    # Concrete lengths are checked now; traced ones are clamped to [0, max_pages * P] (checked
+    # mode: run-time error). Table ids are data: an id outside [0, num_pages) is an absent page.
+    _checks.check_range("lengths", lengths, 0, block_tables.shape[2] * page)
+    _checks.check_table_ids("block_tables", block_tables, num_pages)
     window = _check_per_head("window", window, num_kv, non_negative=False, batch=batch)
     sinks = _check_per_head("sinks", sinks, num_kv, non_negative=True, batch=batch)
     impl = resolve_implementation(implementation, supported=supported)
@@ -181,10 +181,14 @@ def paged_decode(
 
     Query head `n` uses KV head `n // (N // K)`. Token `s` of row `b` for KV head `k` lives at
     `pages[k, block_tables[b, k, s // P], s % P]`; the query sits at position `lengths[b] - 1`.
-    Key `s` is visible iff `s < lengths[b]`, its page entry is not -1, and it is inside the head's
-    window (`s > lengths[b] - 1 - window[k]`, or `window[k] <= 0`) or among its sinks
-    (`s < sinks[k]`). -1 entries are mapped to the null page 0 before any gather. Tokens past
-    `max_pages * P` do not exist (lengths are not checked against the table: they are traced).
+    Key `s` is visible iff `s < lengths[b]`, its page entry names a page of the pool
+    (`0 <= id < num_pages`; -1 = unallocated, and any other id is absent too), and it is inside
+    the head's window (`s > lengths[b] - 1 - window[k]`, or `window[k] <= 0`) or among its sinks
+    (`s < sinks[k]`). Absent entries are never read (mapped to the null page 0 and masked).
+    Tokens past `max_pages * P` do not exist: a traced length past the table is clamped to it
+    (the query keeps position `lengths[b] - 1` for the window); a negative one is an empty row.
+    Concrete lengths must lie in `[0, max_pages * P]`. Identical on every backend; NaN in a
+    visible key or value comes out as NaN.
 
     Args:
       q: `[B, N, H]` decode queries (float32, bfloat16 or float16).
@@ -213,7 +217,10 @@ def paged_decode(
     Raises:
       ValueError: ranks, shapes or sizes inconsistent (H, K, P, num_pages, B, N % K, scale shapes,
         sub_block not dividing P, fp8 pages without scales or scales without fp8 pages,
-        num_splits < 1, sinks < 0, shapes overflowing int32 addressing, unknown implementation).
+        num_splits < 1, sinks < 0, scale not finite and positive, concrete lengths outside
+        `[0, max_pages * P]`, window / sinks outside int32, shapes overflowing int32 addressing,
+        unknown implementation). In the checked mode (`attn.debug_checks`), traced lengths
+        outside that range and table ids outside `[-1, num_pages)` fail at run time.
       TypeError: dtypes (tables and lengths must be int32; pages float or e4m3; scales float32;
         window / sinks int or int32 arrays).
       NotImplementedError: an implementation this op does not have.

@@ -5,17 +5,21 @@ tables: token `s` of row `b` for KV head `k` lives at `pages[k, table[b, k, s //
 query sits at position `lengths[b] - 1` (the decode token is already in the cache). Key `s` is
 visible to KV head `k` iff
 
-    s < lengths[b]  and  table[b, k, s // P] >= 0
+    s < lengths[b]  and  s < max_pages * P  and  0 <= table[b, k, s // P] < num_pages
     and (window[k] <= 0 or s > lengths[b] - 1 - window[k]  or  s < sinks[k])
 
-so tokens on unallocated (-1) pages are absent, whatever the window says. -1 entries are rewritten
-to the null page 0 before the gather and the tokens read there are masked. fp8 pages are
-dequantised with their block-wise scales (`kv.fp8` layout) right after the gather.
+so tokens on unallocated (-1) pages, and on ids outside the pool (`>= num_pages`, or any other
+negative id), are absent, whatever the window says; tokens past the table do not exist (a length
+past `max_pages * P` keeps its query position, `lengths[b] - 1`, for the window). Every such entry
+is rewritten to the null page 0 before the gather, so no read leaves the pool, and the tokens read
+there are masked. fp8 pages are dequantised with their block-wise scales (`kv.fp8` layout) right
+after the gather.
 
 The reference gathers the whole table, `[B, max_pages * P, K, H]`: it is the specification, not a
 fast path. Math in float32; masked keys and values are zeroed before the einsums, so NaN in memory
 that no visible key owns (poisoned or stale pages, the null page) never reaches the result or its
-gradients.
+gradients. NaN in a visible key or value does: it comes out as NaN (a row is fully masked, 0 and
+-inf, only when it sees no key, never because a score was NaN).
 """
 
 from __future__ import annotations
@@ -47,21 +51,29 @@ def gather_pages(
 
     Args:
       pages: `[K, num_pages, P, H]` page pool (any float dtype, or e4m3 with `scales`).
-      block_tables: `[B, K, M]` int32; -1 entries read the null page 0.
+      block_tables: `[B, K, M]` int32; ids outside `[0, num_pages)` (-1 included) read the null
+        page 0.
       scales: `[K, num_pages, P // sub_block]` float32 fp8 scales, or None.
       dtype: output dtype; default float32 when `scales` is given, else `pages.dtype`.
 
     Returns:
       `[B, S = M * P, K, H]`: key/value `s` of row `b`, head `k` at `[b, s, k]`. Tokens past a row's
-      length, and tokens of -1 pages (null page content), are returned as stored: mask them.
+      length, and tokens of absent pages (null page content), are returned as stored: mask them.
     """
     return _gather_head_major(pages, block_tables, scales, dtype).transpose(0, 2, 1, 3)
 
 
+def page_present(block_tables: Int[Array, "..."], num_pages: int) -> Bool[Array, "..."]:
+    """Table entries that name a page of the pool, `0 <= id < num_pages`; every other id (-1 for
+    unallocated, or garbage) is an absent page: invisible and never read."""
+    return (block_tables >= 0) & (block_tables < num_pages)
+
+
 def _gather_head_major(pages, block_tables, scales, dtype) -> Float[Array, "B K S H"]:
-    num_kv, _, page, head_dim = pages.shape
+    num_kv, num_pages, page, head_dim = pages.shape
     batch, _, max_pages = block_tables.shape
-    ids = jnp.where(block_tables < 0, 0, block_tables)  # -1 -> null page, never a wrapped index
+    # Absent ids -> the null page: never a wrapped (-1) or clamped (>= num_pages) index.
+    ids = jnp.where(page_present(block_tables, num_pages), block_tables, 0)
     heads = jnp.arange(num_kv)[None, :, None]  # [1, K, 1]
     g = pages[heads, ids]  # [B, K, M, P, H]
     if scales is not None:
@@ -79,16 +91,19 @@ def visible_mask(
     page_size: int,
     window: int | Int[Array, "*B K"] | None = None,
     sinks: int | Int[Array, "*B K"] | None = None,
+    num_pages: int | None = None,
 ) -> Bool[Array, "B K S"]:
     """Which keys the decode query of each row sees, per KV head (see the module docstring);
-    `window` / `sinks` per head `[K]` or per row and head `[B, K]`."""
+    `window` / `sinks` per head `[K]` or per row and head `[B, K]`. With `num_pages`, ids at or
+    past it are absent too (without it only negative ids are)."""
     batch, num_kv, max_pages = block_tables.shape
     window = jnp.broadcast_to(per_head(window, num_kv), (batch, num_kv))[:, :, None]  # [B, K, 1]
     sinks = jnp.broadcast_to(per_head(sinks, num_kv), (batch, num_kv))[:, :, None]
     s = jnp.arange(max_pages * page_size, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
     q_pos = (lengths.astype(jnp.int32) - 1)[:, None, None]  # [B, 1, 1]
     in_window = (window <= 0) | (s > q_pos - window)
-    owned = jnp.repeat(block_tables >= 0, page_size, axis=-1)  # [B, K, S]
+    present = block_tables >= 0 if num_pages is None else page_present(block_tables, num_pages)
+    owned = jnp.repeat(present, page_size, axis=-1)  # [B, K, S]
     return (s <= q_pos) & (in_window | (s < sinks)) & owned
 
 
@@ -134,13 +149,13 @@ def paged_decode_partials(
       with no visible key gives 0 and -inf.
     """
     batch, num_heads, head_dim = q.shape
-    num_kv, _, page, _ = k_pages.shape
+    num_kv, num_pages, page, _ = k_pages.shape
     group = num_heads // num_kv
     scale = head_dim**-0.5 if scale is None else scale
     k = _gather_head_major(k_pages, block_tables, k_scales, jnp.float32)  # [B, K, S, H]
     v = _gather_head_major(v_pages, block_tables, v_scales, jnp.float32)  # [B, K, S, Hv]
     num_keys = k.shape[2]
-    visible = visible_mask(block_tables, lengths, page, window, sinks)  # [B, K, S]
+    visible = visible_mask(block_tables, lengths, page, window, sinks, num_pages)  # [B, K, S]
     k = jnp.where(visible[..., None], k, 0.0)
     v = jnp.where(visible[..., None], v, 0.0)
     splits = split_ids(lengths, num_keys, page, num_splits)  # [B, S]
@@ -150,13 +165,15 @@ def paged_decode_partials(
     qg = q.astype(jnp.float32).reshape(batch, num_kv, group, head_dim)  # n = k * G + g
     scores = jnp.einsum("BKGH,BKSH->BKGS", qg, k) * scale
     scores = jnp.where(mask, scores[:, :, None], -jnp.inf)  # [B, K, J, G, S]
+    # "Sees nothing" comes from the mask alone: a NaN score must make NaN, not an empty row.
+    sees = jnp.any(mask, axis=-1)  # [B, K, J, 1]
     m = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jnp.where(sees[..., None], m, 0.0)
     p = jnp.exp(scores - m)  # exactly 0 where masked
     l = jnp.sum(p, axis=-1)  # [B, K, J, G]
-    safe_l = jnp.where(l > 0, l, 1.0)
+    safe_l = jnp.where(sees, l, 1.0)
     o = jnp.einsum("BKJGS,BKSV->BKJGV", p, v) / safe_l[..., None]
-    lse = jnp.where(l > 0, m[..., 0] + jnp.log(safe_l), -jnp.inf)
+    lse = jnp.where(sees, m[..., 0] + jnp.log(safe_l), -jnp.inf)
     o = o.transpose(0, 1, 3, 2, 4).reshape(batch, num_heads, num_splits, -1)
     lse = lse.transpose(0, 1, 3, 2).reshape(batch, num_heads, num_splits)
     return o, lse

@@ -6,7 +6,11 @@ keys of a head are `[0, sink_end) ∪ [win_start, length)`: a streaming head wal
 `BLOCK_N`-aligned tiles that hold its sink and window tokens, so its time shrinks with what it
 reads, not just what it masks. When a tile lies in one page (`P % BLOCK_N == 0`) its page id is
 read once and the tile loaded as one contiguous block; otherwise (small pages) keys are gathered
-token by token through the block table. A -1 entry is read as the null page 0 and masked. FP8
+token by token through the block table. Bounds come from the table and the pool, never from
+positions alone: the walk stops at `min(length, MAX_PAGES * P)` (no table entry past the row is
+read; a longer length keeps its query position for the window), and a page id outside
+`[0, NUM_PAGES)` (-1, or garbage) is an absent page: its tokens are masked and their K / V / scale
+loads too, so no address outside the pool is formed into a load. FP8
 pages are dequantised in the kernel: the K scale multiplies the score columns and the V scale the
 probabilities, so the tiles go to the tensor cores unscaled.
 
@@ -102,16 +106,18 @@ def _paged_decode_kernel(
     kh = tl.program_id(1)
     split = tl.program_id(2)
 
-    length = tl.load(len_ptr + b)
+    length = tl.maximum(tl.load(len_ptr + b), 0)
+    kv_end = tl.minimum(length, MAX_PAGES * P)  # keys past the table do not exist
     window = tl.load(window_ptr + b * K + kh)
     sinks = tl.load(sink_ptr + b * K + kh)
-    win_start = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+    # The window counts back from the query at length - 1, even where that lies past the table.
+    win_start = tl.minimum(tl.where(window > 0, tl.maximum(length - window, 0), 0), kv_end)
     sink_end = tl.minimum(tl.maximum(sinks, 0), win_start)
     # Tiles of BLOCK_N positions, aligned to BLOCK_N: the sink tiles, then the window's from the
     # first tile past the sinks' (a tile holding both is visited once, as a sink tile).
     sink_tiles = tl.cdiv(sink_end, BLOCK_N)
     win_tile0 = tl.maximum(win_start // BLOCK_N, sink_tiles)
-    tiles = sink_tiles + tl.maximum(tl.cdiv(length, BLOCK_N) - win_tile0, 0)
+    tiles = sink_tiles + tl.maximum(tl.cdiv(kv_end, BLOCK_N) - win_tile0, 0)
     per_split = tl.cdiv(tiles, SPLITS)
     t_lo = split * per_split
     t_hi = tl.minimum(t_lo + per_split, tiles)
@@ -138,14 +144,18 @@ def _paged_decode_kernel(
     for t in range(t_lo, t_hi):
         start = tl.where(t < sink_tiles, t, win_tile0 + t - sink_tiles) * BLOCK_N
         pos = start + offs_n  # [BLOCK_N] key positions
-        valid = (pos < sink_end) | ((pos >= win_start) & (pos < length))
+        valid = (pos < sink_end) | ((pos >= win_start) & (pos < kv_end))
         if PAGE_TILES:  # the tile lies in one page: one table entry, a contiguous block
-            page = tl.load(table_row + start // P)
-            page = tl.where(page < 0, 0, page)  # -1: null page, masked below
+            page = tl.load(table_row + start // P)  # start < kv_end <= MAX_PAGES * P
+            present = (page >= 0) & (page < NUM_PAGES)
+            valid = valid & present
+            page = tl.where(present, page, 0)  # absent: the null page's address, loads masked
             row = (kh * NUM_PAGES + page).to(tl.int64) * P + start % P + offs_n
         else:
-            page = tl.load(table_row + pos // P, mask=valid, other=0)
-            page = tl.where(page < 0, 0, page)
+            page = tl.load(table_row + pos // P, mask=valid, other=-1)
+            present = (page >= 0) & (page < NUM_PAGES)
+            valid = valid & present
+            page = tl.where(present, page, 0)
             row = (kh * NUM_PAGES + page).to(tl.int64) * P + pos % P  # [BLOCK_N] token rows
         k = tl.load(  # [BLOCK_N, BLOCK_H]
             k_ptr + row[:, None] * H + offs_h[None, :],
