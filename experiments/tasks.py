@@ -29,6 +29,8 @@ class Sample:
       depth: needle depth in [0, 1].
       prompt: token ids.
       answer: the string the generation must contain.
+      needle_spans: `(start, end)` token ranges in `prompt` of the needles that hold the answer
+        (the span a retrieval head copies from; multi-key distractors are not included).
     """
 
     task: str
@@ -36,6 +38,7 @@ class Sample:
     depth: float
     prompt: list[int]
     answer: str
+    needle_spans: tuple[tuple[int, int], ...] = ()
 
 
 def _parts(task: str, rng: np.random.Generator) -> tuple[str, list[str], str, str]:
@@ -91,17 +94,20 @@ def make_sample(tokenizer, task: str, length: int, depth: float, seed: int) -> S
     order = rng.permutation(len(needles))
     slots = {}
     for i, d in zip(order, np.clip(depth + spread, 0, 1)):
-        slots.setdefault(int(np.rint(units * d)), []).append(needle_ids[i])
-    body: list[int] = []
+        slots.setdefault(int(np.rint(units * d)), []).append(i)
+    prompt = head + unit[:spare]
+    spans = []
     for u in range(units + 1):
-        for n in slots.get(u, []):
-            body += n
+        for i in slots.get(u, []):
+            if answer in needles[i]:
+                spans.append((len(prompt), len(prompt) + len(needle_ids[i])))
+            prompt += needle_ids[i]
         if u < units:
-            body += hay[u]
-    prompt = head + unit[:spare] + body + tail
+            prompt += hay[u]
+    prompt += tail
     if len(prompt) != length:
         raise RuntimeError(f"built {len(prompt)} tokens, wanted {length}")
-    return Sample(task, length, float(depth), prompt, answer)
+    return Sample(task, length, float(depth), prompt, answer, tuple(spans))
 
 
 def make_samples(tokenizer, *, tasks, lengths, depths, samples: int, seed: int = 0):
@@ -114,6 +120,33 @@ def make_samples(tokenizer, *, tasks, lengths, depths, samples: int, seed: int =
                     out.append(make_sample(tokenizer, task, length, depth,
                                            seed=int(np.random.SeedSequence(
                                                [seed, ti, li, di, s]).generate_state(1)[0])))
+    return out
+
+
+def training_samples(tokenizer, *, count: int, lengths, tasks=TASKS,
+                     seed: int = 0) -> list[Sample]:
+    """`count` samples for head training or calibration: task, length (one of `lengths`) and
+    depth (uniform in [0.05, 0.95]) drawn per sample.
+
+    Seeds are disjoint from `make_samples`' (evaluation) for any `seed`: the seed sequences here
+    have one more entry, so the two sets do not share a prompt.
+
+    Raises:
+      ValueError: `count < 1`, or no lengths.
+    """
+    if count < 1:
+        raise ValueError(f"{count=} must be >= 1")
+    if not lengths:
+        raise ValueError(f"{lengths=} must name at least one length")
+    out = []
+    for i in range(count):
+        ss = np.random.SeedSequence([seed, i, 0, 0, 0, 1])
+        rng = np.random.default_rng(ss)
+        length = int(lengths[int(rng.integers(len(lengths)))])
+        task = tasks[int(rng.integers(len(tasks)))]
+        depth = float(rng.uniform(0.05, 0.95))
+        out.append(make_sample(tokenizer, task, length, depth,
+                               seed=int(ss.generate_state(1)[0])))
     return out
 
 
