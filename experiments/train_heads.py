@@ -88,20 +88,21 @@ def parse_args(argv=None):
     return args
 
 
-def batches(samples, tokenizer, batch_size: int, seed: int):
-    """Endless stream of `Batch`es; each batch holds prompts of one length, padded to it + 16."""
+def batches(samples, tokenizer, batch_size: int, seed: int, pad_to: int):
+    """Endless stream of `Batch`es of `batch_size` random prompts (any lengths), all padded to
+    `pad_to` tokens: one compiled step serves every length, and right padding never reaches a
+    real token causally."""
     from models.heads import batch_from_samples
 
-    by_length: dict[int, list] = {}
-    for s in samples:
-        by_length.setdefault(s.length, []).append(s)
     rng = np.random.default_rng(seed)
-    lengths = sorted(by_length)
     while True:
-        length = lengths[int(rng.integers(len(lengths)))]
-        pool = by_length[length]
-        pick = rng.choice(len(pool), min(batch_size, len(pool)), replace=False)
-        yield batch_from_samples([pool[i] for i in pick], tokenizer, pad_to=length + 16)
+        pick = rng.choice(len(samples), batch_size, replace=len(samples) < batch_size)
+        yield batch_from_samples([samples[i] for i in pick], tokenizer, pad_to=pad_to)
+
+
+def padded_length(args) -> int:
+    """Tokens per row of every batch: the longest prompt plus room for its answer."""
+    return max(args.lengths) + 16
 
 
 def train_gates(model, tokenizer, args, out_dir: str):
@@ -138,7 +139,7 @@ def train_gates(model, tokenizer, args, out_dir: str):
         history = list(restored.history)
         print(f"resumed from step {start} ({ckpt_dir})", file=sys.stderr)
 
-    stream = batches(samples, tokenizer, args.batch, args.seed + start)
+    stream = batches(samples, tokenizer, args.batch, args.seed + start, padded_length(args))
     bar = tqdm(range(start, args.steps), desc="train gates (compiling)", unit="step",
                initial=start, total=args.steps)
     tokens, timed_s, timed_steps = 0, 0.0, 0
@@ -208,13 +209,13 @@ def main(argv=None):
     score_s = None
     if not args.no_score:
         t0 = time.perf_counter()
-        calib = tasks.training_samples(tokenizer, count=args.calibration, lengths=args.lengths,
+        count = max(args.calibration, args.batch)
+        calib = tasks.training_samples(tokenizer, count=count, lengths=args.lengths,
                                        tasks=args.tasks, seed=args.seed + 1)
-        groups: dict[int, list] = {}
-        for s in calib:
-            groups.setdefault(s.length, []).append(s)
-        cal_batches = [batch_from_samples(g[i:i + args.batch], tokenizer, pad_to=n + 16)
-                       for n, g in sorted(groups.items()) for i in range(0, len(g), args.batch)]
+        # Whole batches only: one compiled probe for every batch.
+        cal_batches = [batch_from_samples(calib[i:i + args.batch], tokenizer,
+                                          pad_to=padded_length(args))
+                       for i in range(0, len(calib) - args.batch + 1, args.batch)]
         scores = score_heads(model, cal_batches, window=args.window, sinks=args.sinks,
                              progress=True)
         score_s = time.perf_counter() - t0
