@@ -61,26 +61,29 @@ def _check_int_array(name: str, x, shape: tuple[int, ...], letters: str) -> None
         raise ValueError(f"{name} must have shape [{letters}] = {list(shape)}; got {x.shape}")
 
 
-def _per_head_arg(name: str, x, num_kv_heads: int):
-    """An int or a `[K]` integer array, as given to `window` / `sinks`; returns a `[K]` array."""
+def _per_head_arg(name: str, x, num_kv_heads: int, *, non_negative: bool = False):
+    """An int or a `[K]` integer array, as given to `window` / `sinks`; returns a `[K]` array.
+    Ints must fit int32; with `non_negative`, ints and concrete arrays must be >= 0 (traced
+    arrays: the checked mode)."""
     if _is_int(x):
+        _checks.check_int32_value(name, int(x))
+        if non_negative and x < 0:
+            raise ValueError(f"{name}={x} must be >= 0")
         return np.full((num_kv_heads,), int(x), np.int32)
     if _is_array(x):
         _check_int_array(name, x, (num_kv_heads,), "K")
+        if non_negative:
+            _checks.check_range(name, x, 0)
         return x
     raise TypeError(f"{name}={x!r} (type {type(x).__name__}) must be an int or an integer array "
                     f"of shape [K]")
 
 
 def _check_scale(scale, head_dim: int) -> np.float32:
-    """A python number or None (`H ** -0.5`) as a float32 scalar (traced: no recompilation)."""
-    if scale is None:
-        scale = head_dim**-0.5
-    if not isinstance(scale, numbers.Real) or isinstance(scale, bool | np.bool_):
-        raise TypeError(f"scale={scale!r} (type {type(scale).__name__}) must be a real number")
-    if not np.isfinite(scale):
-        raise ValueError(f"scale={scale} must be finite")
-    return np.float32(scale)
+    """A python number or None (`H ** -0.5`) as a float32 scalar (traced: no recompilation).
+    The rule of every op and backend (`_checks.check_scale`): finite and positive."""
+    scale = _checks.check_scale(scale)
+    return np.float32(head_dim**-0.5 if scale is None else scale)
 
 
 def _check_window_sinks(window, sinks, num_kv_heads: int, *, causal: bool):
@@ -90,9 +93,7 @@ def _check_window_sinks(window, sinks, num_kv_heads: int, *, causal: bool):
     elif not causal:
         raise ValueError("window needs causal=True (the window counts back from the query)")
     window = _per_head_arg("window", window, num_kv_heads)
-    if _is_int(sinks) and sinks < 0:
-        raise ValueError(f"sinks={sinks} must be >= 0")
-    return window, _per_head_arg("sinks", sinks, num_kv_heads)
+    return window, _per_head_arg("sinks", sinks, num_kv_heads, non_negative=True)
 
 
 def _check_mask_args(
@@ -110,6 +111,7 @@ def _check_mask_args(
                              f"keys; causal queries must lie inside the key sequence")
     elif _is_array(q_offset):
         _check_int_array("q_offset", q_offset, (batch,), "B")
+        _checks.check_range("q_offset", q_offset, 0)
         if causal and q_len > kv_len:
             raise ValueError(f"T={q_len} causal queries cannot fit in S={kv_len} keys")
     else:
@@ -128,6 +130,8 @@ def _check_mask_args(
     if kv_lengths is None:
         kv_lengths = np.full((batch,), kv_len, np.int32)
     _check_int_array("kv_lengths", kv_lengths, (batch,), "B")
+    # Concrete lengths in [0, S]; traced ones are clamped there (checked mode: run-time error).
+    _checks.check_range("kv_lengths", kv_lengths, 0, kv_len)
     if _is_int(q_offset):
         q_offset = np.full((batch,), q_offset, np.int32)
     # Defaults are numpy, given arrays pass through (the reference casts them inside the jit):
@@ -177,10 +181,11 @@ def attention(
         checked; array values may be traced and are not (keep `0 <= q_offset[b] <= S - T`).
       window: None, an int or `[K]` int32: most recent positions visible (query's own included);
         `<= 0` means full. Needs `causal`.
-      sinks: int >= 0 or `[K]` int32: keys `s < sinks` stay visible despite the window.
+      sinks: int >= 0 or `[K]` int32 >= 0: keys `s < sinks` stay visible despite the window.
       q_segment_ids: `[B, T]` integer segment ids (packed sequences); needs `kv_segment_ids`.
       kv_segment_ids: `[B, S]` integer segment ids.
-      kv_lengths: `[B]` integer; keys `s >= kv_lengths[b]` are invisible.
+      kv_lengths: `[B]` integer in `[0, S]` (checked when concrete; traced values are clamped
+        there); keys `s >= kv_lengths[b]` are invisible.
       implementation: `"xla"`, `"triton"` (the flash kernel, `attn/dense/triton.py`), `"mosaic"`
         (the Mosaic GPU forward, `attn/dense/mosaic.py`: Hopper, static window / sinks, no
         offsets or lengths) or `"auto"` (on a GPU the first of mosaic, triton that takes the
@@ -192,7 +197,9 @@ def attention(
 
     Raises:
       ValueError: wrong ranks, mismatched sizes, `N % K != 0`, queries past the keys, a window
-        without `causal`, negative sinks or offset, one segment-id array without the other.
+        without `causal`, negative sinks or offsets (ints, or concrete arrays), window / sinks /
+        offset ints outside int32, concrete `kv_lengths` outside `[0, S]`, a scale that is not
+        finite and positive, one segment-id array without the other.
       TypeError: non-float or mixed q/k/v dtypes, non-integer offsets / windows / sinks / ids /
         lengths, a non-numeric scale.
       NotImplementedError: `implementation="triton"` / `"mosaic"` with options that kernel does
@@ -437,6 +444,7 @@ def _per_row_head_arg(name: str, x, batch: int, num_kv_heads: int, *, non_negati
     if x is None:
         x = 0
     if _is_int(x):
+        _checks.check_int32_value(name, int(x))
         if non_negative and x < 0:
             raise ValueError(f"{name}={x} must be >= 0")
         return np.full((batch, num_kv_heads), int(x), np.int32)
@@ -447,9 +455,8 @@ def _per_row_head_arg(name: str, x, batch: int, num_kv_heads: int, *, non_negati
     if tuple(x.shape) not in ((num_kv_heads,), (batch, num_kv_heads)):
         raise ValueError(f"{name}.shape={x.shape} must be [K]={[num_kv_heads]} or "
                          f"[B, K]={[batch, num_kv_heads]}")
-    values = _checks.concrete(x)
-    if non_negative and values is not None and (values < 0).any():
-        raise ValueError(f"{name}={values.tolist()} must be >= 0")
+    if non_negative:
+        _checks.check_range(name, x, 0)
     if isinstance(x, np.ndarray):
         return np.broadcast_to(x.astype(np.int32), (batch, num_kv_heads))
     return jnp.broadcast_to(x.astype(jnp.int32), (batch, num_kv_heads))
@@ -484,8 +491,8 @@ def paged_prefill_attention(
       q: `[B, T, N, H]` chunk queries (float32, bfloat16 or float16).
       k_pages: `[K, num_pages, P, H]` key pages: float, or `float8_e4m3fn` with `k_scales`.
       v_pages: `[K, num_pages, P, Hv]` value pages: float, or `float8_e4m3fn` with `v_scales`.
-      block_tables: `[B, K, M]` int32 per-head page ids; -1 = not allocated (read as the null
-        page 0 and masked).
+      block_tables: `[B, K, M]` int32 per-head page ids; -1 = not allocated; every id outside
+        `[0, num_pages)` is absent (masked and never read, on every backend).
       q_offset: int or `[B]` int32: position of query 0 (the cached prefix length).
       kv_lengths: `[B]` int32 tokens in the cache, the chunk's included; 0 = padding row.
       scale: softmax scale, default `H ** -0.5`.
@@ -503,7 +510,9 @@ def paged_prefill_attention(
 
     Raises:
       ValueError: ranks, shapes or sizes inconsistent (B, K, H, N % K, pages, scales), negative
-        offsets or sinks, lengths outside `[0, M * P]`, an unknown implementation.
+        offsets or sinks, lengths outside `[0, M * P]` (concrete values; traced ones are clamped,
+        and in the checked mode fail at run time, as table ids outside `[-1, num_pages)` do), a
+        scale that is not finite and positive, ints outside int32, an unknown implementation.
       TypeError: dtypes (q float; pages float or e4m3; tables, offsets, lengths, windows and sinks
         integer; scales float32), a non-numeric scale.
       NotImplementedError: `implementation="triton"` with options the kernel refuses (head dims
@@ -531,23 +540,23 @@ def paged_prefill_attention(
     _checks.check_int32_addressable("k_pages", k_pages.shape)
     _checks.check_int32_addressable("v_pages", v_pages.shape)
     if _is_int(q_offset):
+        _checks.check_int32_value("q_offset", int(q_offset))
         if q_offset < 0:
             raise ValueError(f"q_offset={q_offset} must be >= 0")
         q_offset = np.full((batch,), q_offset, np.int32)
     elif _is_array(q_offset):
         _check_int_array("q_offset", q_offset, (batch,), "B")
-        values = _checks.concrete(q_offset)
-        if values is not None and (values < 0).any():
-            raise ValueError(f"q_offset={values.tolist()} must be >= 0")
+        _checks.check_range("q_offset", q_offset, 0)
     else:
         raise TypeError(f"q_offset={q_offset!r} (type {type(q_offset).__name__}) must be an int "
                         f"or an integer array of shape [B]")
     if not _is_array(kv_lengths):
         raise TypeError(f"kv_lengths={kv_lengths!r} must be an integer array of shape [B]")
     _check_int_array("kv_lengths", kv_lengths, (batch,), "B")
-    values = _checks.concrete(kv_lengths)
-    if values is not None and ((values < 0) | (values > max_tokens)).any():
-        raise ValueError(f"kv_lengths={values.tolist()} must lie in [0, M * P = {max_tokens}]")
+    # Concrete lengths in [0, M * P]; traced ones are clamped there (checked mode: run-time
+    # error). Table ids are data: an id outside [0, num_pages) is an absent page.
+    _checks.check_range("kv_lengths", kv_lengths, 0, max_tokens)
+    _checks.check_table_ids("block_tables", block_tables, num_pages)
     window = _per_row_head_arg("window", window, batch, num_kv, non_negative=False)
     sinks = _per_row_head_arg("sinks", sinks, batch, num_kv, non_negative=True)
     scale = _check_scale(scale, head_dim)

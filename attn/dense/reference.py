@@ -10,6 +10,8 @@ Two steps, each short enough to check by eye:
 
 A query row that sees no key gives output exactly 0 and log-sum-exp -inf, with finite gradients
 (the double-`where` trick: nothing that is later discarded is ever `log(0)` or `-inf - -inf`).
+"Sees no key" is read off the mask alone: a NaN in a visible query, key or value makes that row
+NaN (as every kernel does), it never turns the row into a masked one.
 Keys no query sees and queries that see no key may hold garbage (NaN padding, unowned pages);
 they are zeroed before use, so `0 * NaN` never reaches an output or a gradient.
 
@@ -157,11 +159,11 @@ def masked_attention(
 
     s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, kf, precision=_HIGHEST) * scale
     s = jnp.where(m, s, -jnp.inf)
+    sees = row_sees  # [B, K|1, G|1, T], from the mask: a NaN score is not an empty row
     row_max = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))  # shift only: no grad
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # -inf for rows that see nothing
+    row_max = jnp.where(sees[..., None], row_max, 0.0)  # -inf for rows that see nothing
     p = jnp.exp(s - row_max)  # [B, K, G, T, S]; exactly 0 where masked
     denom = jnp.sum(p, axis=-1)  # [B, K, G, T]
-    sees = denom > 0
     safe = jnp.where(sees, denom, 1.0)
     out = jnp.einsum("BKGTS,BSKH->BKGTH", p, vf, precision=_HIGHEST) / safe[..., None]
     out = jnp.where(sees[..., None], out, 0.0)
@@ -287,8 +289,10 @@ def paged_prefill_attention(
 
     Query `t` of row `b` sits at `q_offset[b] + t`; key `s` (token `s` of the row's cache, read at
     `pages[k, block_tables[b, k, s // P], s % P]`) is visible to KV head `k` iff `s <= q_pos`,
-    `s < kv_lengths[b]`, its table entry is not -1, and it is inside the head's window or among its
-    sinks (as `visible_mask`, with `window[b, k]` / `sinks[b, k]` per row and head).
+    `s < kv_lengths[b]`, its table entry names a page of the pool (`0 <= id < num_pages`: -1 and
+    out-of-range ids are absent, read as the null page and masked), and it is inside the head's
+    window or among its sinks (as `visible_mask`, with `window[b, k]` / `sinks[b, k]` per row and
+    head). Negative offsets count from 0.
 
     Args:
       q: `[B, T, N, H]` queries of the chunk (their own K/V already written to the pages).
@@ -306,7 +310,7 @@ def paged_prefill_attention(
       `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`; rows with no visible key give 0
       and -inf.
     """
-    from attn.paged_decode.reference import gather_pages
+    from attn.paged_decode.reference import gather_pages, page_present
 
     batch, q_len = q.shape[:2]
     num_kv, _, page, _ = k_pages.shape
@@ -322,7 +326,9 @@ def paged_prefill_attention(
         return visible_mask(1, q_len, kv_len, num_kv, q_offset=offset[None], window=w, sinks=sk,
                             kv_lengths=length[None])[0]
 
-    mask = jax.vmap(row_mask)(jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_lengths, jnp.int32),
-                              window, sinks)  # [B, T, K, S]
-    owned = jnp.repeat(block_tables >= 0, page, axis=-1)  # [B, K, S]
+    # Traced offsets below 0 count from 0, as in the kernel (concrete ones are refused).
+    offset = jnp.maximum(jnp.asarray(q_offset, jnp.int32), 0)
+    mask = jax.vmap(row_mask)(offset, jnp.asarray(kv_lengths, jnp.int32), window,
+                              sinks)  # [B, T, K, S]
+    owned = jnp.repeat(page_present(block_tables, k_pages.shape[1]), page, axis=-1)  # [B, K, S]
     return masked_attention(q, k, v, mask & owned[:, None], scale=scale)

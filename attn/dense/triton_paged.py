@@ -10,9 +10,11 @@ accumulators. Key tiles are `BLOCK_N` positions aligned to `BLOCK_N`; when the p
 multiple of `BLOCK_N` (`Config.page_tiles`, the default) a tile lies in one page, so each step
 reads one table entry and loads K / V (and the tile's fp8 scales) as contiguous blocks. Otherwise
 (`BLOCK_N > P`, or `page_tiles=False`) a tile is gathered token by token through the table (a tile
-may span pages). No dense copy of the cache is ever made. A -1 entry is read as the null page 0
-and its tokens are masked (so are keys past `kv_lengths`), with their loads masked too: NaN in
-unowned pages never reaches an output. FP8 pages are dequantised in the kernel, tile by tile
+may span pages). No dense copy of the cache is ever made. A page id outside `[0, NUM_PAGES)` (-1,
+or garbage) is an absent page: its tokens are masked (so are keys past `kv_lengths`, clamped to
+`[0, MAX_PAGES * P]`: no table entry past the row is read), with their loads masked too, so no
+load leaves the pool and NaN in unowned pages never reaches an output. FP8 pages are dequantised
+in the kernel, tile by tile
 (`fp8.astype(f32) * scale` per token, then q's dtype for the tensor cores).
 
 Window and sinks are per (batch row, KV head), so a per-request policy (streaming heads of one
@@ -137,8 +139,8 @@ def _paged_visit(
             page = next_page
             next_page = tl.load(table_row + (start + BLOCK_N) // P, mask=start + BLOCK_N < hi,
                                 other=-1)
-            page_ok = page >= 0
-            first = (kh * NUM_PAGES + tl.maximum(page, 0)).to(tl.int64) * P + start % P
+            page_ok = (page >= 0) & (page < NUM_PAGES)  # else absent: loads masked below
+            first = (kh * NUM_PAGES + tl.where(page_ok, page, 0)).to(tl.int64) * P + start % P
             ok = in_kv & page_ok  # [BLOCK_N]
             # The unmasked range lies below kv_len: only the page itself can drop out.
             row_ok = ok[:, None] if MASKED else page_ok
@@ -152,8 +154,9 @@ def _paged_visit(
                 vs = tl.load(v_scale_ptr + srow, mask=ok, other=0.0)
         else:  # gathered token by token: a tile may span pages
             page = tl.load(table_row + cols // P, mask=in_kv, other=-1)
-            ok = in_kv & (page >= 0)  # -1: not allocated (null page), masked
-            page_row = kh * NUM_PAGES + tl.where(page < 0, 0, page)  # [BLOCK_N] of [K * pages]
+            present = (page >= 0) & (page < NUM_PAGES)
+            ok = in_kv & present  # -1 or out of the pool: absent, masked
+            page_row = kh * NUM_PAGES + tl.where(present, page, 0)  # [BLOCK_N] of [K * pages]
             tok = page_row.to(tl.int64) * P + cols % P  # [BLOCK_N] token rows of [K * pages * P]
             k = tl.load(k_ptr + tok[:, None] * H + offs_h[None, :],  # [BLOCK_N, BLOCK_H]
                         mask=ok[:, None] & mask_h[None, :], other=0.0)
@@ -171,7 +174,7 @@ def _paged_visit(
             visible = ok[None, :] & _visible(cols[None, :], pos[:, None], kv_len, win, sinks, True)
             p, alpha, m_new = _masked_softmax_step(qk, m, visible, SCALE_LOG2)
         elif PAGE_TILES:
-            # Every row sees the whole tile unless its page is -1 (K, V loaded as 0): such a tile
+            # Every row sees the whole tile unless its page is absent (K, V loaded as 0): such a tile
             # leaves m alone and gets p = 2^(s - inf) = 0. Per-row terms, no select per score, so
             # the scale folds into the exponent's FMA as in the dense kernel.
             m_new = tl.where(page_ok, tl.maximum(m, tl.max(qk, 1) * SCALE_LOG2), m)
