@@ -12,6 +12,7 @@ if "triton" not in _sys.modules and "TRITON_INTERPRET" not in _os.environ:
     if _jax.default_backend() != "gpu":
         _os.environ["TRITON_INTERPRET"] = "1"
 
-from attn._checks import debug_checks, debug_checks_enabled  # noqa: E402  (after the switch above)
+# Imported after the switch above: it imports jax only, never triton.
+from attn._checks import debug_checks, debug_checks_enabled
 
 __all__ = ["debug_checks", "debug_checks_enabled"]

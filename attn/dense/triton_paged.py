@@ -174,9 +174,9 @@ def _paged_visit(
             visible = ok[None, :] & _visible(cols[None, :], pos[:, None], kv_len, win, sinks, True)
             p, alpha, m_new = _masked_softmax_step(qk, m, visible, SCALE_LOG2)
         elif PAGE_TILES:
-            # Every row sees the whole tile unless its page is absent (K, V loaded as 0): such a tile
-            # leaves m alone and gets p = 2^(s - inf) = 0. Per-row terms, no select per score, so
-            # the scale folds into the exponent's FMA as in the dense kernel.
+            # Every row sees the whole tile unless its page is absent (K, V loaded as 0): such a
+            # tile leaves m alone and gets p = 2^(s - inf) = 0. Per-row terms, no select per
+            # score, so the scale folds into the exponent's FMA as in the dense kernel.
             m_new = tl.where(page_ok, tl.maximum(m, tl.max(qk, 1) * SCALE_LOG2), m)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # -1 pages only, so far
             p = tl.exp2(qk * SCALE_LOG2 - (m_use + tl.where(page_ok, 0.0, float("inf")))[:, None])

@@ -45,14 +45,8 @@ _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 def _check_scale(scale) -> None:
-    if isinstance(scale, jax.Array | np.ndarray):
-        if scale.ndim:
-            raise ValueError(f"scale must be a scalar; got shape {scale.shape}")
-        return  # may be traced: its value cannot be checked here
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"{scale=} must be a real number")
-    if not (np.isfinite(scale) and scale > 0):
-        raise ValueError(f"{scale=} must be finite and positive")
+    """The shared rule (`_checks.check_scale`); a traced scalar array is accepted unchecked."""
+    _checks.check_scale(scale, allow_none=False, allow_traced=True)
 
 
 def _check_positive_int(name: str, value) -> None:
@@ -93,8 +87,10 @@ def _check_attention_inputs(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, q_offse
             raise ValueError(f"q_offset.shape={q_offset.shape} must be () or [B]=({b},)")
     elif isinstance(q_offset, bool) or not isinstance(q_offset, numbers.Integral):
         raise TypeError(f"{q_offset=} must be an int or an integer array")
+    _checks.check_range("q_offset", q_offset, 0)
     if kv_lengths is not None:
         _check_lengths("kv_lengths", kv_lengths, b)
+        _checks.check_range("kv_lengths", kv_lengths, 0, c_kv.shape[1])
 
 
 def split_kv_b(
@@ -282,6 +278,10 @@ def _check_decode_inputs(q_lat, q_pe, latent_pages, block_tables, lengths, kv_lo
     _checks.check_same("block_tables.shape[0]", block_tables.shape[0], "q_lat.shape[0]", b)
     _check_lengths("lengths", lengths, b)
     num_pages, p, _ = latent_pages.shape
+    # Concrete lengths in [0, max_pages * P]; traced ones are clamped there. Table ids are data:
+    # an id outside [0, num_pages) is an absent page (checked mode: both fail at run time).
+    _checks.check_range("lengths", lengths, 0, block_tables.shape[1] * p)
+    _checks.check_table_ids("block_tables", block_tables, num_pages)
     if latent_scales is None:
         if jnp.dtype(latent_pages.dtype) == _FP8:
             raise TypeError(f"latent_pages.dtype={latent_pages.dtype} needs latent_scales")
@@ -353,10 +353,11 @@ def mla_paged_decode(
       q_pe: `[B, N, R]` rotated rope query.
       latent_pages: `[num_pages, P, L + R]` latent pool (page 0 is the reserved null page):
         float32 / bfloat16 / float16, or float8_e4m3fn with `latent_scales`.
-      block_tables: `[B, max_pages]` int32 page ids; `-1` (unallocated) reads the null page and
-        must lie past the row's length. Entries must be `< num_pages`.
+      block_tables: `[B, max_pages]` int32 page ids; `-1` = unallocated. Every id outside
+        `[0, num_pages)` is an absent page: its tokens are invisible and never read (every
+        backend).
       lengths: `[B]` int32 tokens in the cache, the decode token included; 0 marks a padding row.
-        Lengths above `max_pages · P` are treated as `max_pages · P`.
+        Concrete lengths must lie in `[0, max_pages · P]`; traced ones are clamped there.
       kv_lora_rank: `L` (from the config; `R = latent_pages.shape[-1] - L`).
       scale: softmax scale, explicit (DeepSeek: `(Dn + R) ** -0.5 · mscale²`, not `(L+R) ** -0.5`).
       latent_scales: fp8 only: `[num_pages, P // sub_block]` float32; value of token s of page g is
@@ -373,7 +374,9 @@ def mla_paged_decode(
     Raises:
       ValueError: ranks or sizes disagree (q_pe's rope dim, batch sizes, scale rows, P not
         divisible by the number of scale sub-blocks), non-positive `scale` / `num_splits` /
-        `kv_lora_rank`, unknown implementation.
+        `kv_lora_rank`, concrete lengths outside `[0, max_pages · P]`, unknown implementation.
+        In the checked mode (`attn.debug_checks`) traced lengths outside it and table ids
+        outside `[-1, num_pages)` fail at run time.
       TypeError: wrong dtypes (fp8 pages without scales or scales with non-fp8 pages, integer
         queries, float tables or lengths).
       NotImplementedError: `implementation="triton"` (no kernel yet).

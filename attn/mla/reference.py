@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from attn.dense import reference as dense_reference
 from attn.merge import reference as merge_reference
+from attn.paged_decode.reference import page_present
 from kv import fp8
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # an oracle must not run its float32 matmuls in TF32
@@ -149,12 +150,14 @@ def gather_latent(
 ) -> Float[Array, "B S LR"]:
     """Gather each row's latent tokens, `S = max_pages · P`, float32 (fp8 pages dequantised).
 
-    Token s of row b is `latent_pages[block_tables[b, s // P], s % P]`; `-1` entries read the null
-    page 0. Nothing is masked here: tokens past a row's length are whatever those pages hold.
+    Token s of row b is `latent_pages[block_tables[b, s // P], s % P]`; entries outside
+    `[0, num_pages)` (-1 = unallocated, or garbage) read the null page 0. Nothing is masked here:
+    tokens past a row's length, or on absent pages, are whatever those pages hold.
     """
-    _, p, lr = latent_pages.shape
+    num_pages, p, lr = latent_pages.shape
     b, max_pages = block_tables.shape
-    table = jnp.where(block_tables < 0, 0, block_tables)  # -1 must never reach the gather
+    # Never a wrapped (-1) or clamped (>= num_pages) index: absent pages read the null page.
+    table = jnp.where(page_present(block_tables, num_pages), block_tables, 0)
     if latent_scales is None:
         latent = latent_pages[table].astype(jnp.float32)  # [B, max_pages, P, L + R]
     else:  # token t of a page uses scale t // sub_block
@@ -170,7 +173,8 @@ def split_of_token(lengths: Int[Array, " B"], page_size: int, num_pages_per_row:
     `[j·c_b, (j + 1)·c_b)` with `c_b = cdiv(n_b, num_splits)`. Trailing splits may be empty.
     """
     s = num_pages_per_row * page_size
-    used_pages = (jnp.maximum(lengths, 0) + page_size - 1) // page_size  # [B]
+    used = jnp.clip(lengths, 0, s)  # tokens past the table do not exist
+    used_pages = (used + page_size - 1) // page_size  # [B]
     pages_per_split = jnp.maximum((used_pages + num_splits - 1) // num_splits, 1)  # [B]
     page = jnp.arange(s, dtype=jnp.int32) // page_size  # [S]
     return page[None, :] // pages_per_split[:, None]  # [B, S]
@@ -201,7 +205,8 @@ def mla_paged_decode_partials(
     p, max_pages = latent_pages.shape[1], block_tables.shape[1]
     latent = gather_latent(latent_pages, block_tables, latent_scales)  # [B, S, L + R]
     pos = jnp.arange(max_pages * p, dtype=jnp.int32)
-    valid = pos[None, :] < lengths[:, None]  # [B, S]
+    present = jnp.repeat(page_present(block_tables, latent_pages.shape[0]), p, axis=1)  # [B, S]
+    valid = (pos[None, :] < lengths[:, None]) & present  # [B, S]
     # Zero what is not ours before any product: NaN in unowned pages must not reach values or grads.
     latent = jnp.where(valid[..., None], latent, 0.0)
     c, k_pe = latent[..., :kv_lora_rank], latent[..., kv_lora_rank:lr]
@@ -212,13 +217,16 @@ def mla_paged_decode_partials(
     split = split_of_token(lengths, p, max_pages, num_splits)  # [B, S]
     mask = valid[:, None, :] & (split[:, None, :] == jnp.arange(num_splits)[None, :, None])
     scores = jnp.where(mask[:, None], scores[:, :, None, :], -jnp.inf)  # [B, N, J, S]
+    # Empty splits from the mask alone: a NaN score makes NaN, never an empty split.
+    sees = jnp.any(mask, axis=-1)[:, None]  # [B, 1, J]
     m = jnp.max(scores, axis=-1)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    m_safe = jnp.where(sees, m, 0.0)
     w = jnp.exp(scores - m_safe[..., None])  # exactly 0 where masked
     denom = jnp.sum(w, axis=-1)
-    safe = jnp.where(denom > 0, denom, 1.0)
+    safe = jnp.where(sees, denom, 1.0)
     o = jnp.einsum("bnjs,bsl->bnjl", w, c, precision=_HIGHEST) / safe[..., None]
-    lse = jnp.where(denom > 0, m_safe + jnp.log(safe), -jnp.inf)
+    o = jnp.where(sees[..., None], o, 0.0)
+    lse = jnp.where(sees, m_safe + jnp.log(safe), -jnp.inf)
     return o, lse
 
 

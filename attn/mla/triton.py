@@ -9,8 +9,11 @@ the value is the same `c_kv` tile, loaded once and used for both the score and t
 (FP8 may load it a second time instead, `Config.reload_value`: see `default_config`).
 When the key tile divides the page size (`Config.page_tiles`, the default), a tile lies in one
 page: one page id per tile, read a tile ahead, and one strided 2-D load; otherwise keys are
-gathered token by token through the block table (a tile may span pages of any size `P`). A -1
-entry reads the null page 0, as the reference does; tokens past the length are masked. FP8
+gathered token by token through the block table (a tile may span pages of any size `P`). A page
+id outside `[0, NUM_PAGES)` (-1 = unallocated, or garbage) is an absent page, as in the reference:
+its tokens are masked and so are their loads (the address is the null page's), so no load leaves
+the pool; tokens past the length (clamped to `MAX_PAGES * P`: no table entry past the row is
+read) are masked. FP8
 latent pages are dequantised in the kernel: the token's scale multiplies the score columns and
 the probabilities, so the tiles go to the tensor cores unscaled (widened to float16: e4m3 -> f16
 is one instruction on Hopper).
@@ -128,6 +131,7 @@ def _mla_decode_kernel(
     L: tl.constexpr,
     R: tl.constexpr,
     P: tl.constexpr,
+    NUM_PAGES: tl.constexpr,
     MAX_PAGES: tl.constexpr,
     SPLITS: tl.constexpr,
     SUB: tl.constexpr,
@@ -183,12 +187,14 @@ def _mla_decode_kernel(
         pos = lo + t * BLOCK_N + offs_n  # [BLOCK_N] token positions of the row
         valid = pos < hi
         if PAGE_TILES:
-            page = tl.maximum(next_page, 0)  # -1: the null page 0, as the reference
+            page = next_page
             ahead = lo + (t + 1) * BLOCK_N
             next_page = tl.load(table_row + ahead // P, mask=ahead < hi, other=0)
         else:
-            page = tl.load(table_row + pos // P, mask=valid, other=0)
-            page = tl.where(page < 0, 0, page)  # -1: the null page 0, as the reference
+            page = tl.load(table_row + pos // P, mask=valid, other=-1)
+        present = (page >= 0) & (page < NUM_PAGES)  # else absent, as in the reference
+        valid = valid & present
+        page = tl.where(present, page, 0)  # the null page's address; its loads are masked
         row = page.to(tl.int64) * P + pos % P  # [BLOCK_N] latent rows
         c_kv = tl.load(  # [BLOCK_N, BLOCK_L]: the key's first L features and the value
             latent_ptr + row[:, None] * (L + R) + offs_l[None, :],
@@ -274,6 +280,7 @@ def mla_paged_decode_partials(
         L=l,
         R=r,
         P=p,
+        NUM_PAGES=latent_pages.shape[0],
         MAX_PAGES=block_tables.shape[-1],
         SPLITS=splits,
         SUB=sub,
