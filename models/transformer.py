@@ -3,7 +3,8 @@
 
 `CausalLM.forward(input_ids, positions, attend=..., states=...)` is the entry point the engine
 uses (explicit positions, a pluggable attend, per-layer states threaded through); `__call__` is
-the jitted full forward without a cache. `CausalLM.logits` applies the output head, so the engine
+the jitted full forward without a cache, compiled once per length bucket, with `DenseAttend` or
+a caller's attend. `CausalLM.logits` applies the output head, so the engine
 can compute it for the last positions only.
 
 Families whose mixer is not an `Attention` (Gated DeltaNet) override `make_mixer` with a module
@@ -12,6 +13,7 @@ of the same call signature `mixer(x, positions, *, attend, state) -> (y, state)`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -174,19 +176,38 @@ class CausalLM(nnx.Module):
         return self.lm_head(hidden)
 
     def __call__(self, input_ids: Int[Array, "B T"], *, positions: Int[Array, "B T"] | None = None,
-                 segment_ids: Int[Array, "B T"] | None = None,
+                 segment_ids: Int[Array, "B T"] | None = None, attend: Attend | None = None,
+                 buckets: str | Sequence[int] | None = "pow2",
                  implementation: str = "auto") -> Float[Array, "B T V"]:
-        """Full causal forward without a cache (jitted).
+        """Full causal forward without a cache (jitted once per length bucket).
+
+        `T` is right-padded to a bucket length before the jitted forward and the logits are
+        sliced back to `T`, so a new length within a bucket reuses the compiled forward. Every
+        mixer is causal (attention, conv, delta rule; MoE routes tokens independently), so
+        padding after the last real token is invisible to real tokens: their logits are those
+        of the unpadded forward.
 
         Args:
           input_ids: `[B, T]` integer token ids.
           positions: `[B, T]` positions; default `0..T-1` in every row.
-          segment_ids: `[B, T]` packed-sequence ids (attention stays inside a segment).
-          implementation: dense attention backend.
+          segment_ids: `[B, T]` packed-sequence ids (attention stays inside a segment); only
+            with the default attend.
+          attend: an `Attend` every attention layer calls instead of `DenseAttend` (it must be
+            causal, and hashable: it is a static argument of the jitted forward, so an equal
+            attend reuses the compiled forward). GDN and MLA layers use it only if it has a
+            `gdn_mix` / `mla_attend` attribute.
+          buckets: `"pow2"` pads `T` to the next power of two (at least `MIN_BUCKET`); a
+            sequence of lengths pads to the smallest one `>= T`; None compiles per length.
+          implementation: dense attention backend of the default attend.
+
+        Returns:
+          `[B, T, V]` logits in the model dtype.
 
         Raises:
-          ValueError: `input_ids` not rank 2, or positions / segment ids of another shape.
-          TypeError: non-integer ids, positions or segment ids.
+          ValueError: `input_ids` not rank 2, positions / segment ids of another shape, `T`
+            above every bucket, unknown `buckets`, `segment_ids` or `implementation` together
+            with `attend`.
+          TypeError: non-integer ids, positions or segment ids; an unhashable `attend`.
         """
         for name, x in (("input_ids", input_ids), ("positions", positions),
                         ("segment_ids", segment_ids)):
@@ -199,17 +220,75 @@ class CausalLM(nnx.Module):
             if jnp.shape(x) != jnp.shape(input_ids):
                 raise ValueError(f"{name}.shape={jnp.shape(x)} must equal "
                                  f"input_ids.shape={jnp.shape(input_ids)}")
+        if attend is not None:
+            if segment_ids is not None or implementation != "auto":
+                raise ValueError("segment_ids and implementation configure the default attend; "
+                                 f"with attend={attend!r} put them into the attend itself")
+            try:
+                hash(attend)
+            except TypeError:
+                raise TypeError(f"attend={attend!r} must be hashable (a frozen dataclass or a "
+                                f"function): it is a static argument of the jitted forward"
+                                ) from None
+        b, t = jnp.shape(input_ids)
+        padded = bucket_length(t, buckets)
         if positions is None:
-            b, t = jnp.shape(input_ids)
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        return _full_forward(self, jnp.asarray(input_ids, jnp.int32),
-                             jnp.asarray(positions, jnp.int32), segment_ids,
-                             implementation=implementation)
+            positions = jnp.broadcast_to(jnp.arange(padded, dtype=jnp.int32), (b, padded))
+        else:
+            positions = jnp.asarray(positions, jnp.int32)
+            extra = jnp.arange(1, padded - t + 1, dtype=jnp.int32)[None, :]
+            positions = jnp.concatenate([positions, positions[:, -1:] + extra], axis=1)
+        pad = ((0, 0), (0, padded - t))
+        input_ids = jnp.pad(jnp.asarray(input_ids, jnp.int32), pad)
+        if segment_ids is not None:  # padding continues the last segment (never seen: causal)
+            segment_ids = jnp.pad(jnp.asarray(segment_ids, jnp.int32), pad, mode="edge")
+        logits = _full_forward(self, input_ids, positions, segment_ids, attend=attend,
+                               implementation=implementation)
+        return logits[:, :t]
 
 
-@nnx.jit(static_argnames=("implementation",))
-def _full_forward(model: CausalLM, input_ids, positions, segment_ids, *, implementation):
-    attend = DenseAttend(segment_ids=segment_ids, implementation=implementation)
+MIN_BUCKET = 16  # smallest "pow2" bucket: short prompts share one compiled forward
+TRACES = collections.Counter()  # "full_forward" -> times `_full_forward` was traced (compiled)
+
+
+def bucket_length(t: int, buckets: str | Sequence[int] | None) -> int:
+    """The padded length `model(ids)` runs a `T`-token input at.
+
+    Args:
+      t: input length `T >= 1`.
+      buckets: `"pow2"`, an increasing sequence of lengths, or None (no padding).
+
+    Returns:
+      `T` itself (None), the next power of two `>= max(T, MIN_BUCKET)` ("pow2"), or the
+      smallest bucket `>= T`.
+
+    Raises:
+      ValueError: `T < 1`, `T` above every bucket, or `buckets` neither `"pow2"`, None nor a
+        sequence of positive ints.
+    """
+    if t < 1:
+        raise ValueError(f"input length T={t} must be >= 1")
+    if buckets is None:
+        return t
+    if isinstance(buckets, str):
+        if buckets != "pow2":
+            raise ValueError(f"buckets={buckets!r} must be 'pow2', None or a sequence of lengths")
+        return max(MIN_BUCKET, 1 << (t - 1).bit_length())
+    sizes = sorted(int(x) for x in buckets)
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"buckets={buckets!r} must be positive lengths")
+    fit = [x for x in sizes if x >= t]
+    if not fit:
+        raise ValueError(f"input length T={t} exceeds the largest bucket {sizes[-1]} "
+                         f"(buckets={list(buckets)}); add a bucket or pass buckets=None")
+    return fit[0]
+
+
+@nnx.jit(static_argnames=("attend", "implementation"))
+def _full_forward(model: CausalLM, input_ids, positions, segment_ids, *, attend, implementation):
+    TRACES["full_forward"] += 1  # runs at trace time only: counts compilations
+    if attend is None:
+        attend = DenseAttend(segment_ids=segment_ids, implementation=implementation)
     hidden, _ = model.forward(input_ids, positions, attend=attend)
     return model.logits(hidden)
 
