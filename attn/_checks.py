@@ -195,7 +195,7 @@ def check_scale(scale, *, allow_none: bool = True, allow_traced: bool = False):
     if isinstance(scale, bool | np.bool_) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale={scale!r} (type {type(scale).__name__}) must be a real number")
     if not (np.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale={scale} must be finite and positive")
+        raise ValueError(f"scale={scale} must be positive and finite")
     return float(scale)
 
 
@@ -240,10 +240,18 @@ def _range_error(name: str, values: np.ndarray, lo, hi) -> ValueError | None:
     if not bad.any():
         return None
     where = [int(i) for i in np.argwhere(bad)[0]]
-    bounds = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
-    shown = values.tolist() if values.size <= 16 else f"{int(bad.sum())} values, first {where}: " \
-        f"{values[tuple(where)]}"
-    return ValueError(f"{name}={shown} must lie in {bounds}")
+    if hi is None:
+        rule = f"must be >= {lo}"
+    elif lo is None:
+        rule = f"must be <= {hi}"
+    else:
+        rule = f"must lie in [{lo}, {hi}]"
+    if values.size <= 16:
+        shown = values.tolist()
+    else:
+        shown = f"(shape {values.shape}: {int(bad.sum())} bad, first at {where}: " \
+            f"{values[tuple(where)]})"
+    return ValueError(f"{name}={shown} {rule}")
 
 
 def check_range(name: str, x, lo=None, hi=None, *, eager: bool = True) -> None:

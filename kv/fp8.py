@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from attn import _checks
 from attn._harness import resolve_implementation
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -175,10 +176,12 @@ def _quantize_tokens(pages, scales, x, page_ids, offsets):
     sub_block = page // n_sub
     num_blocks = num_kv * num_pages * n_sub
     in_page = (offsets >= 0) & (offsets < page)  # [T]
-    valid = (page_ids >= 0) & in_page[:, None]  # [T, K]
+    # An id outside [0, num_pages) is no page of this head: not written (an id >= num_pages would
+    # otherwise land in the next head's pool through the flat index below).
+    valid = (page_ids >= 0) & (page_ids < num_pages) & in_page[:, None]  # [T, K]
     off = jnp.where(in_page, offsets, 0)[:, None]  # [T, 1]
     # Flat sub-block index (head, page, sub-block) -> row of the [K * num_pages * n_sub, ...] views.
-    # -1 never reaches an index: reads go to the null page 0, writes past the end (dropped).
+    # Invalid ids never reach an index: reads go to the null page 0, writes past the end (dropped).
     head = jnp.arange(num_kv, dtype=jnp.int32)[None, :]  # [1, K]
     block = (head * num_pages + jnp.where(valid, page_ids, 0)) * n_sub + off // sub_block
     block_write = jnp.where(valid, block, num_blocks)  # [T, K]
@@ -241,7 +244,8 @@ def quantize_tokens(
       scales: `[K, num_pages, P // sub_block]` float32 scales.
       x: `[T, K, H]` new tokens (any float dtype).
       page_ids: `[T, K]` int32 physical page of each token in each head's pool (per-head block
-        tables); a negative id means "do not write" (padding) and touches nothing, page 0 included.
+        tables); an id outside `[0, num_pages)` (negative: padding) means "do not write" and
+        touches nothing, page 0 and the other heads' pools included (every backend).
       offsets: `[T]` int32 slot of each token in its page (`position % P`); tokens with an offset
         outside `[0, P)` are not written.
       implementation: `"xla"` (scatters), `"triton"` (`kv.fp8_triton`: one program per touched
@@ -277,6 +281,8 @@ def quantize_tokens(
     if num_kv * num_pages * page >= 2**31:
         raise ValueError(f"pages.shape={pages.shape} has {num_kv * num_pages * page} token rows, "
                          f"more than int32 indices address; use fewer pages per pool")
+    # Ids are data (out of range: not written); the checked mode turns garbage into an error.
+    _checks.check_table_ids("page_ids", page_ids, num_pages)
     if resolve_implementation(implementation, supported=("triton", "xla")) == "triton":
         from kv import fp8_triton  # imports Triton, which only kernels need
 

@@ -260,8 +260,11 @@ def write_kv(
     Token `t` of row `b` sits at position `offsets[b] + t` and is written for `t < num_new[b]`
     (the rest of the `T` axis is padding). For head `k` it goes to
     `pages[k, table[b, k, pos // P], pos % P]`. Tokens whose table entry is -1 (unallocated or
-    recycled) or whose position is beyond the table are dropped: the scatter index becomes
-    `num_pages` with `mode="drop"`, so nothing is written, not even the null page.
+    recycled), the null page 0 or any id outside the pool (`>= num_pages`, other negatives), or
+    whose position is beyond the table, are dropped: the scatter index becomes `num_pages` with
+    `mode="drop"` (FP8: the id -1), so nothing is written, not even the null page, and nothing
+    outside the pool. In the checked mode (`attn.debug_checks`) ids outside `[-1, num_pages)`
+    fail at run time instead.
 
     FP8 pools: each touched sub-block is re-quantised (read-modify-write,
     `fp8.quantize_tokens`): its valid old tokens (those before the first slot this call writes)
@@ -299,6 +302,7 @@ def write_kv(
     offsets = v_.as_int_array("offsets", offsets, (batch,), "B")
     num_new = v_.as_int_array("num_new", num_new, (batch,), "B")
 
+    v_.check_table_ids("tables.table", tables.table, pool.num_pages)
     page, slot, ok = token_pages(tables, offsets, num_new, num_tokens, pool.num_pages)
     num_kv = pool.num_kv_heads
     if pool.is_fp8:
@@ -325,10 +329,10 @@ def gather_kv(
 ) -> tuple[Float[Array, "B S K H"], Float[Array, "B S K Hv"]]:
     """Dense `[B, S, K, H]` view of every row's cache, `S = max_pages * P` (dequantised if FP8).
 
-    A reference reader for tests and pure-jnp attention: unallocated / released entries (-1) read
-    the null page 0, so positions a row does not hold come back as whatever page 0 holds (zeros
-    unless something wrote it; writes through this module never do). Callers mask by length and
-    window as attention does.
+    A reference reader for tests and pure-jnp attention: unallocated / released entries (-1), and
+    ids outside the pool, read the null page 0, so positions a row does not hold come back as
+    whatever page 0 holds (zeros unless something wrote it; writes through this module never
+    do). Callers mask by length and window as attention does.
 
     Args:
       pool: the layer's pages.

@@ -3,7 +3,8 @@
 `block_sparse_attention` has the `xla` reference and a Triton kernel
 (`attn/block_sparse/triton.py`, forward only, its gradient the reference's); `auto` picks the
 kernel on a GPU. Values of traced arguments (modes, lengths, per-head sink / local counts) cannot
-be checked under `jit`; they are checked when concrete.
+be checked under `jit`; they are checked when concrete, and traced lengths are clamped to
+`[0, T]` / `[0, S]` on every backend (`attn.debug_checks` turns them into run-time errors).
 """
 
 import jax
@@ -41,6 +42,7 @@ def _check_head_mask_type(head_mask_type, batch: int, num_heads: int) -> None:
 
 def _check_blocks_count(name: str, value, num_heads: int) -> None:
     if isinstance(value, (int, np.integer)):
+        _checks.check_int32_value(name, int(value))
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0")
         return
@@ -48,20 +50,17 @@ def _check_blocks_count(name: str, value, num_heads: int) -> None:
     _checks.check_integer(name, value)
     if value.shape != (num_heads,):
         raise ValueError(f"{name}.shape={value.shape} must be an int or [N]=({num_heads},)")
-    values = _checks.concrete(value)
-    if values is not None and (values < 0).any():
-        raise ValueError(f"{name}={values.tolist()} must be >= 0")
+    _checks.check_range(name, value, 0)
 
 
 def _check_lengths(name: str, lengths, batch: int, limit: int) -> None:
+    """Concrete lengths in `[0, limit]`; traced ones are clamped there (checked mode: error)."""
     if lengths is None:
         return
     _checks.check_integer(name, lengths)
     if lengths.shape != (batch,):
         raise ValueError(f"{name}.shape={lengths.shape} must be [B]=({batch},)")
-    values = _checks.concrete(lengths)
-    if values is not None and ((values < 0) | (values > limit)).any():
-        raise ValueError(f"{name}={values.tolist()} must lie in [0, {limit}]")
+    _checks.check_range(name, lengths, 0, limit)
 
 
 def check_geometry(q, k, *, block_size: int, q_lengths=None, kv_lengths=None) -> None:
@@ -225,8 +224,7 @@ def block_sparse_attention(
     _check_sparse_has_mask(head_mask_type, block_mask)
     _check_blocks_count("sink_blocks", sink_blocks, N)
     _check_blocks_count("local_blocks", local_blocks, N)
-    if scale is not None and not scale > 0:
-        raise ValueError(f"{scale=} must be positive")
+    scale = _checks.check_scale(scale)
     impl = resolve_implementation(implementation, supported=("mosaic", "triton", "xla"))
     while impl != "xla":
         if impl == "mosaic":

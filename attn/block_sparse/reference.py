@@ -38,9 +38,11 @@ def _cdiv(a, b):
 
 
 def _lengths(lengths, default: int, batch: int) -> Int[Array, " B"]:
+    """Lengths clamped to `[0, default]` (T or S): a traced length outside it means the nearest
+    end, as in the kernel; concrete ones are refused by `api.py`."""
     if lengths is None:
         return jnp.full((batch,), default, jnp.int32)
-    return jnp.asarray(lengths, jnp.int32)
+    return jnp.clip(jnp.asarray(lengths, jnp.int32), 0, default)
 
 
 def diagonal_blocks(

@@ -381,9 +381,11 @@ def _block_sparse(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks
                   kv_lengths, *, block_size, scale, config):
     b, t = q.shape[:2]
     s = k.shape[1]
-    q_len = jnp.broadcast_to(jnp.asarray(t if q_lengths is None else q_lengths, jnp.int32), (b,))
-    kv_len = jnp.broadcast_to(jnp.asarray(s if kv_lengths is None else kv_lengths, jnp.int32),
-                              (b,))
+    # Lengths clamped to [0, T] / [0, S] before the block lists are built, as the reference does.
+    q_len = jnp.clip(jnp.broadcast_to(
+        jnp.asarray(t if q_lengths is None else q_lengths, jnp.int32), (b,)), 0, t)
+    kv_len = jnp.clip(jnp.broadcast_to(
+        jnp.asarray(s if kv_lengths is None else kv_lengths, jnp.int32), (b,)), 0, s)
     eff = reference.effective_block_mask(
         head_mask_type, block_mask, num_q_tokens=t, num_kv_tokens=s, block_size=block_size,
         sink_blocks=sink_blocks, local_blocks=local_blocks, q_lengths=q_len, kv_lengths=kv_len)

@@ -40,9 +40,16 @@ def _check_inputs(q, k, v, g, beta, scale, single_token: bool = False) -> tuple[
         raise ValueError(f"q must hold at least one token; got shape {q.shape}")
     if single_token and t != 1:
         raise ValueError(f"a decode step takes one token: q.shape={q.shape} must have T=1")
-    if scale is not None and not scale > 0:
-        raise ValueError(f"{scale=} must be positive (or None for H ** -0.5)")
+    _checks.check_scale(scale)
     return bsz, t, nk, nv, h, hv
+
+
+def _check_gates(g, beta) -> None:
+    """g is a log-decay (<= 0) and beta a write strength in [0, 1]; outside, the state grows
+    without bound. Checked when concrete (after every static check, so a static error is
+    reported first); traced gates in the checked mode (`attn.debug_checks`)."""
+    _checks.check_range("g", g, None, 0.0)
+    _checks.check_range("beta", beta, 0.0, 1.0)
 
 
 def _check_state(name: str, state, rows: int, nv: int, h: int, hv: int) -> None:
@@ -158,13 +165,15 @@ def gdn_recurrent(
       `(o [B, T, Nv, Hv] in q.dtype, final_state [B, Nv, H, Hv] float32)`.
 
     Raises:
-      ValueError: shapes disagree, `Nv % Nk != 0`, `T == 0`, `scale <= 0`.
+      ValueError: shapes disagree, `Nv % Nk != 0`, `T == 0`, `scale <= 0`, concrete gates out
+        of range (`g > 0`, `beta` outside `[0, 1]`).
       TypeError: non-floating inputs.
     """
     bsz, _, _, nv, h, hv = _check_inputs(q, k, v, g, beta, scale)
     if initial_state is not None:
         _check_state("initial_state", initial_state, bsz, nv, h, hv)
     resolve_implementation(implementation, supported=_SUPPORTED)
+    _check_gates(g, beta)
     return reference.gdn_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                    use_qk_l2norm=use_qk_l2norm)
 
@@ -196,7 +205,8 @@ def gdn_chunked(
       `(o [B, T, Nv, Hv] in q.dtype, final_state [Ns, Nv, H, Hv] float32)`.
 
     Raises:
-      ValueError: shapes disagree, bad `cu_seqlens`, `chunk_size <= 0`, `scale <= 0`.
+      ValueError: shapes disagree, bad `cu_seqlens`, `chunk_size <= 0`, `scale <= 0`, concrete
+        gates out of range (`g > 0`, `beta` outside `[0, 1]`).
       TypeError: non-floating inputs, non-integer `cu_seqlens` or `chunk_size`.
       NotImplementedError: `implementation="triton"` with a chunk_size other than 64.
     """
@@ -206,6 +216,7 @@ def gdn_chunked(
     if initial_state is not None:
         _check_state("initial_state", initial_state, rows, nv, h, hv)
     chunked = _chunked_backend(implementation, chunk_size)
+    _check_gates(g, beta)
     return chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                    use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
 
@@ -230,12 +241,14 @@ def gdn_decode_step(
       `(o [B, 1, Nv, Hv] in q.dtype, new_state [B, Nv, H, Hv] float32)`.
 
     Raises:
-      ValueError: shapes disagree or `T != 1`.
+      ValueError: shapes disagree, `T != 1`, concrete gates out of range (`g > 0`, `beta`
+        outside `[0, 1]`).
       TypeError: non-floating inputs.
     """
     bsz, _, _, nv, h, hv = _check_inputs(q, k, v, g, beta, scale, single_token=True)
     _check_state("state", state, bsz, nv, h, hv)
     resolve_implementation(implementation, supported=_SUPPORTED)
+    _check_gates(g, beta)
     return reference.gdn_decode_step(q, k, v, g, beta, state, scale=scale,
                                      use_qk_l2norm=use_qk_l2norm)
 
@@ -268,13 +281,16 @@ def gdn_decode_pool(
       `(o [B, 1, Nv, Hv], new_pool [slots, Nv, H, Hv])`.
 
     Raises:
-      ValueError: shapes disagree, slot ids out of range or shared.
+      ValueError: shapes disagree, slot ids out of range or shared, concrete gates out of range
+        (`g > 0`, `beta` outside `[0, 1]`).
       TypeError: wrong dtypes.
     """
     bsz, _, _, nv, h, hv = _check_inputs(q, k, v, g, beta, scale, single_token=True)
     _check_pool(ssm_pool, nv, h, hv)
     check_slot_ids(slot_ids, bsz, ssm_pool.shape[0], has_initial_state)
-    if resolve_implementation(implementation, supported=_DECODE_POOL_SUPPORTED) == "triton":
+    impl = resolve_implementation(implementation, supported=_DECODE_POOL_SUPPORTED)
+    _check_gates(g, beta)
+    if impl == "triton":
         from attn.gdn import triton as kernel
 
         return kernel.gdn_decode_pool(q, k, v, g, beta, ssm_pool, slot_ids,
@@ -311,7 +327,8 @@ def gdn_prefill_pool(
       `(o [B, T, Nv, Hv], new_pool)`; tokens of padding rows / sequences give 0.
 
     Raises:
-      ValueError: shapes disagree, bad slot ids or boundaries.
+      ValueError: shapes disagree, bad slot ids or boundaries, concrete gates out of range
+        (`g > 0`, `beta` outside `[0, 1]`).
       TypeError: wrong dtypes.
       NotImplementedError: `implementation="triton"` with a chunk_size other than 64.
     """
@@ -321,6 +338,7 @@ def gdn_prefill_pool(
     _check_pool(ssm_pool, nv, h, hv)
     check_slot_ids(slot_ids, rows, ssm_pool.shape[0], has_initial_state)
     chunked = _chunked_backend(implementation, chunk_size)
+    _check_gates(g, beta)
     return reference.gdn_prefill_pool(q, k, v, g, beta, ssm_pool, slot_ids,
                                       has_initial_state=has_initial_state, scale=scale,
                                       use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
