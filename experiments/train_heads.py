@@ -88,16 +88,16 @@ def parse_args(argv=None):
     return args
 
 
-def batches(samples, tokenizer, batch_size: int, seed: int, pad_to: int):
-    """Endless stream of `Batch`es of `batch_size` random prompts (any lengths), all padded to
-    `pad_to` tokens: one compiled step serves every length, and right padding never reaches a
-    real token causally."""
+def batch_at(samples, tokenizer, *, batch_size: int, seed: int, step: int, pad_to: int):
+    """The `Batch` of training step `step`: `batch_size` prompts (any lengths) drawn from
+    `(seed, step)` alone, so a resumed run sees the batches an uninterrupted one would. Every
+    batch is padded to `pad_to` tokens: one compiled step serves every length, and right padding
+    never reaches a real token causally."""
     from models.heads import batch_from_samples
 
-    rng = np.random.default_rng(seed)
-    while True:
-        pick = rng.choice(len(samples), batch_size, replace=len(samples) < batch_size)
-        yield batch_from_samples([samples[i] for i in pick], tokenizer, pad_to=pad_to)
+    rng = np.random.default_rng([seed, step])
+    pick = rng.choice(len(samples), batch_size, replace=len(samples) < batch_size)
+    return batch_from_samples([samples[i] for i in pick], tokenizer, pad_to=pad_to)
 
 
 def padded_length(args) -> int:
@@ -139,12 +139,13 @@ def train_gates(model, tokenizer, args, out_dir: str):
         history = list(restored.history)
         print(f"resumed from step {start} ({ckpt_dir})", file=sys.stderr)
 
-    stream = batches(samples, tokenizer, args.batch, args.seed + start, padded_length(args))
     bar = tqdm(range(start, args.steps), desc="train gates (compiling)", unit="step",
                initial=start, total=args.steps)
     tokens, timed_s, timed_steps = 0, 0.0, 0
     for step in bar:
-        batch = jax.tree.map(jax.numpy.asarray, next(stream))
+        batch = jax.tree.map(jax.numpy.asarray, batch_at(
+            samples, tokenizer, batch_size=args.batch, seed=args.seed, step=step,
+            pad_to=padded_length(args)))
         t0 = time.perf_counter()
         metrics = {k: float(v) for k, v in train_step(gated, optimizer, batch,
                                                       l1=args.l1).items()}
