@@ -13,6 +13,13 @@ All Linears have a bias. The layers sit in `nnx.Sequential`s whose indices equal
 `router.cls_router_head_agnostic.layers[4].kernel` transposed (`[in, out]`); biases load as they
 are. `load_hf_state` does exactly that. Not supported: the sigmoid (`use_softmax=False`) variant,
 task embeddings and the training-only Gumbel / temperature machinery (`log_temp` is skipped).
+
+The decision `z` is an argmax: its derivative is zero almost everywhere, so a gradient of a loss
+through the inference path would give the routers exactly zero gradients. `hard_decision` makes
+differentiating it an error instead: `z` comes from a `jax.custom_jvp` whose rule raises a
+`TypeError` pointing at `models.heads.router` (a straight-through Gumbel-softmax relaxation
+trained on `AttentionRouter.logits`). The rule fires only when a tangent reaches the router, so
+forwards that do not route (PawQwen3 with `elastic=False`) differentiate as before.
 """
 
 from collections.abc import Mapping
@@ -25,6 +32,36 @@ from jaxtyping import Array, Float, Int
 
 # HF sub-module name -> indices of its Linear layers inside the nn.Sequential.
 HF_LINEARS = {"cls_feat_extractor": (0, 2), "cls_router_head_agnostic": (0, 2, 4)}
+
+NOT_DIFFERENTIABLE = (
+    "elastic router decisions are a hard rule (an argmax of the router logits, or PawQwen3's "
+    "static hard-concrete decisions) and have no gradient; differentiating them would give the "
+    "router exactly zero gradients. Train the routers with models.heads.router (a relaxed, "
+    "differentiable gate over AttentionRouter.logits), or differentiate the dense backbone "
+    "(PawQwen3ForCausalLM(..., elastic=False))")
+
+
+def _refuse_jvp(primals, tangents):
+    del primals, tangents
+    raise TypeError(NOT_DIFFERENTIABLE)
+
+
+def hard_decision(fn):
+    """Wrap `fn` (float arrays -> integer decisions) so that differentiating it raises.
+
+    Returns:
+      `fn` as a `jax.custom_jvp`: the same values; a tangent reaching its inputs raises
+      `TypeError(NOT_DIFFERENTIABLE)` (under `jax.grad`, `jax.jvp`, `jax.vjp`).
+    """
+    wrapped = jax.custom_jvp(fn)
+    wrapped.defjvp(_refuse_jvp)
+    return wrapped
+
+
+@hard_decision
+def argmax_decision(logits: Float[Array, "B K 2"]) -> Int[Array, "B K"]:
+    """`argmax(logits, -1)` as int32 (1 = retrieval / full); not differentiable (raises)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 class AttentionRouter(nnx.Module):
@@ -67,13 +104,23 @@ class AttentionRouter(nnx.Module):
 
         Raises:
           ValueError: last axis is not `head_dim`.
+          TypeError: when differentiated with a tangent reaching the logits (`z` is an argmax;
+            train on `logits` instead, see `hard_decision`).
+        """
+        logits = self.logits(pooled)
+        return logits, argmax_decision(logits)
+
+    def logits(self, pooled: Float[Array, "B K H"]) -> Float[Array, "B K 2"]:
+        """The two class logits `[B, K, 2]` float32 (differentiable; index 1 = retrieval).
+
+        Raises:
+          ValueError: last axis is not `head_dim`.
         """
         if pooled.shape[-1] != self.head_dim:
             raise ValueError(f"pooled.shape={pooled.shape} must end in head_dim={self.head_dim}")
         dtype = self.cls_feat_extractor.layers[0].kernel[...].dtype
         h = self.cls_feat_extractor(pooled.astype(dtype))
-        logits = self.cls_router_head_agnostic(h).astype(jnp.float32)
-        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return self.cls_router_head_agnostic(h).astype(jnp.float32)
 
 
 def load_hf_state(router: AttentionRouter, tensors: Mapping[str, object], prefix: str = "") -> None:

@@ -16,7 +16,9 @@ pooled keys), so an engine attend can pool over the whole prompt (chunked prefil
 routing and the elastic attention. `DenseAttend` and the engine's `PagedAttend` read only
 q / k / v and give the dense backbone (the FD integration keeps decode dense as well).
 `enable_ada_sparsity=False` replaces the router by static per-layer decisions from
-`attn_mask_log_alphas` (`static_decisions`).
+`attn_mask_log_alphas` (`static_decisions`). Both decisions are hard: differentiating the elastic
+forward raises a `TypeError` (`attn.elastic.router.hard_decision`); routers are trained through
+a relaxation (`models.heads.router`), the backbone through `elastic=False`.
 
 HF layout (LCM-Lab `PawQwen3ForCausalLM`, `architectures: ["PawQwen3ForCausalLM"]`): Qwen3's
 tensors plus, per layer `i`, under `model.layers.{i}.self_attn.`:
@@ -56,7 +58,8 @@ powers of two exist only for tests, through `testing_small_blocks=True` (`config
 `longctx_testing_small_blocks`, which no real checkpoint has).
 
 Not done here: the sigmoid router, packed segments (`segment_ids`) under elastic attention, sliding
-window layers, task embeddings, training (Gumbel noise, temperature, sparsity targets).
+window layers, task embeddings. Training (Gumbel noise, temperature, sparsity targets) lives in
+`models.heads.router`.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ from attn.elastic import (
     elastic_prefill_attention,
 )
 from attn.elastic.reference import KNOWN_MODES, MODE_CODES, SUPPORTED_PAIRS
-from attn.elastic.router import HF_LINEARS
+from attn.elastic.router import HF_LINEARS, hard_decision
 from models.config import ConfigError, HFConfig, check_choice, check_positive
 from models.convert.mapping import linear, param
 from models.convert.registry import Family, register
@@ -301,6 +304,7 @@ class ElasticAttend:
         return o, z
 
 
+@hard_decision
 def static_decisions(log_alpha: Float[Array, " K"]) -> Int[Array, " K"]:
     """Deterministic hard-concrete gates of `attn_mask_log_alphas`: 1 retrieval, 0 sparse.
 
@@ -311,6 +315,8 @@ def static_decisions(log_alpha: Float[Array, " K"]) -> Int[Array, " K"]:
     by `sigmoid(0.8 · log_alpha / β)`, the same order except where float rounding saturates it.
     Math in float32. (HF's eval path with `enable_ada_sparsity=False` leaves the soft gate values
     in place and then fails on an undefined name, so this binarisation is our documented rule.)
+    A rank, hence not differentiable: a tangent on `log_alpha` raises `TypeError`
+    (`attn.elastic.router.hard_decision`).
 
     Args:
       log_alpha: `[K]` per-KV-head log-alphas of one layer.
