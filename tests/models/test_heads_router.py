@@ -72,9 +72,11 @@ def test_relaxed_gate_forward_is_the_noisy_argmax_and_gradient_the_soft_one():
     assert np.abs(np.asarray(g_hard)).min() > 0
 
 
+@jax.default_matmul_precision("highest")  # f32 products, not TF32, on a GPU
 def test_router_gradients_nonzero_and_match_finite_differences():
     """Soft gates, fixed Gumbel noise: d loss / d (routers, temperature, multipliers) against
-    central differences along random directions, and the multipliers' exact gradients."""
+    central differences along the gradient and random directions, and the multipliers' exact
+    gradients."""
     training = rt.RouterTraining(make_model(), init_temperature=0.7, implementation="xla")
     # Multipliers small enough that the distillation and Lagrangian terms both count.
     training.lambda1[...] = jnp.float32(0.02)
