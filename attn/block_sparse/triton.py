@@ -214,13 +214,15 @@ def _block_lists_triton(eff, q_lengths, kv_lengths, block_size):
 
 
 @triton.jit
-def _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len,
+def _visit(acc, l, m, bad, j, q, k_base, v_base, pos, blocks, i, kv_len,
            SCALE_LOG2: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
            SB: tl.constexpr, BS: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
            BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr):
     """Step `i` of a list walk: `BLOCK_N` keys, sub-step `i % (BS // BLOCK_N)` of the listed block
-    `j` (entry `i // (BS // BLOCK_N)`); MASKED applies the causal and length rules. Returns the
-    block of step `i + 1` too, loaded one step ahead (see the kernel)."""
+    `j` (entry `i // (BS // BLOCK_N)`); MASKED applies the causal and length rules, and zeroes a
+    non-finite value, marking in `bad` the rows that see it (they become NaN at the end: a 0
+    weight would still give 0 * NaN in the rows that do not). Returns the block of step `i + 1`
+    too, loaded one step ahead (see the kernel)."""
     SPB: tl.constexpr = BS // BLOCK_N  # steps per block
     start = tl.multiple_of(j * BS + (i % SPB) * BLOCK_N, BLOCK_N)
     j_next = tl.load(blocks + tl.minimum((i + 1) // SPB, SB - 1))
@@ -239,10 +241,15 @@ def _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len,
         p, alpha, m_new = _whole_softmax_step(qk, m, SCALE_LOG2)
     v = _load(v_base + cols[:, None] * (K * HV) + offs_hv[None, :], in_kv, offs_hv < HV, MASKED,
               BLOCK_HV != HV)
+    if MASKED:
+        v_bad = ~(tl.abs(v.to(tl.float32)) < float("inf"))  # [BLOCK_N, BLOCK_HV]
+        col_bad = tl.max(v_bad.to(tl.int32), 1)  # [BLOCK_N]
+        bad = tl.maximum(bad, tl.max((visible & (col_bad > 0)[None, :]).to(tl.int32), 1))
+        v = tl.where(v_bad, 0.0, v)
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-    return acc, l, m_new, j_next
+    return acc, l, m_new, bad, j_next
 
 
 @triton.jit
@@ -316,6 +323,7 @@ def _block_sparse_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
+    bad = tl.zeros([BLOCK_M], tl.int32)
     # One flat loop per part over the (listed block, sub-step) steps, so Triton's software
     # pipelining (num_stages) overlaps the K / V loads of the next steps with this step's math
     # across block boundaries (a nested loop over the BS // BLOCK_N steps of a block could only
@@ -325,16 +333,19 @@ def _block_sparse_kernel(
     SPB: tl.constexpr = BS // BLOCK_N
     j = tl.load(blocks)
     for i in tl.range(0, whole * SPB, warp_specialize=WARP_SPECIALIZE):  # seen whole: no mask
-        acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, SCALE_LOG2,
-                              K, H, HV, SB, BS, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+        acc, l, m, bad, j = _visit(acc, l, m, bad, j, q, k_base, v_base, pos, blocks, i, kv_len,
+                                   SCALE_LOG2, K, H, HV, SB, BS, False, BLOCK_N, BLOCK_H,
+                                   BLOCK_HV, PRECISION)
     j = tl.load(blocks + tl.minimum(whole, SB - 1))
     for i in range(whole * SPB, count * SPB):  # the diagonal and the length tail: token masks
-        acc, l, m, j = _visit(acc, l, m, j, q, k_base, v_base, pos, blocks, i, kv_len, SCALE_LOG2,
-                              K, H, HV, SB, BS, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION)
+        acc, l, m, bad, j = _visit(acc, l, m, bad, j, q, k_base, v_base, pos, blocks, i, kv_len,
+                                   SCALE_LOG2, K, H, HV, SB, BS, True, BLOCK_N, BLOCK_H,
+                                   BLOCK_HV, PRECISION)
 
     empty = (l == 0.0) | (toks >= q_len)
     safe_l = tl.where(empty, 1.0, l)
     out = tl.where(empty[:, None], 0.0, acc / safe_l[:, None])
+    out = tl.where(bad[:, None] > 0, float("nan"), out)
     lse = tl.where(empty, float("-inf"), (m + tl.log2(safe_l)) * 0.6931471805599453)
     store_ok = toks < T
     tl.store(o_ptr + q_rows[:, None] * HV + offs_hv[None, :], out.to(o_ptr.dtype.element_ty),

@@ -11,7 +11,8 @@ Two steps, each short enough to check by eye:
 A query row that sees no key gives output exactly 0 and log-sum-exp -inf, with finite gradients
 (the double-`where` trick: nothing that is later discarded is ever `log(0)` or `-inf - -inf`).
 "Sees no key" is read off the mask alone: a NaN in a visible query, key or value makes that row
-NaN (as every kernel does), it never turns the row into a masked one.
+NaN (as every kernel does), it never turns the row into a masked one; a non-finite value makes
+NaN exactly the rows that see it (rows of the same call that do not see it stay finite).
 Keys no query sees and queries that see no key may hold garbage (NaN padding, unowned pages);
 they are zeroed before use, so `0 * NaN` never reaches an output or a gradient.
 
@@ -155,7 +156,13 @@ def masked_attention(
     qg = q.astype(jnp.float32).reshape(batch, q_len, num_kv_heads, group, head_dim)
     qg = jnp.where(row_sees.transpose(0, 3, 1, 2)[..., None], qg, 0.0)  # [B, T, K, G, H]
     kf = jnp.where(key_seen, k.astype(jnp.float32), 0.0)
-    vf = jnp.where(key_seen, v.astype(jnp.float32), 0.0)
+    # A non-finite value taints exactly the rows that see it: zeroed before the PV einsum (where
+    # a 0 weight would still make 0 * NaN for the rows that do not see it), then NaN put back.
+    vf = v.astype(jnp.float32)
+    v_ok = jnp.isfinite(vf)
+    vf = jnp.where(key_seen & v_ok, vf, 0.0)
+    bad_key = ~jnp.all(v_ok, axis=-1).transpose(0, 2, 1)[:, :, None, None, :]  # [B, K, 1, 1, S]
+    tainted = jnp.any(m & bad_key, axis=-1)  # [B, K, G|1, T]
 
     s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, kf, precision=_HIGHEST) * scale
     s = jnp.where(m, s, -jnp.inf)
@@ -167,6 +174,7 @@ def masked_attention(
     safe = jnp.where(sees, denom, 1.0)
     out = jnp.einsum("BKGTS,BSKH->BKGTH", p, vf, precision=_HIGHEST) / safe[..., None]
     out = jnp.where(sees[..., None], out, 0.0)
+    out = jnp.where(tainted[..., None], jnp.nan, out)
     lse = jnp.where(sees, row_max[..., 0] + jnp.log(safe), -jnp.inf)
 
     out = out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, v.shape[-1])

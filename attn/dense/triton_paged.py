@@ -13,8 +13,10 @@ reads one table entry and loads K / V (and the tile's fp8 scales) as contiguous 
 may span pages). No dense copy of the cache is ever made. A page id outside `[0, NUM_PAGES)` (-1,
 or garbage) is an absent page: its tokens are masked (so are keys past `kv_lengths`, clamped to
 `[0, MAX_PAGES * P]`: no table entry past the row is read), with their loads masked too, so no
-load leaves the pool and NaN in unowned pages never reaches an output. FP8 pages are dequantised
-in the kernel, tile by tile
+load leaves the pool and NaN in unowned pages never reaches an output. In a masked tile (rows
+see different keys) a non-finite value is zeroed before the PV product and the rows that see it
+are set to NaN at the end, so it reaches exactly those rows, as in the reference. FP8 pages are
+dequantised in the kernel, tile by tile
 (`fp8.astype(f32) * scale` per token, then q's dtype for the tensor cores).
 
 Window and sinks are per (batch row, KV head), so a per-request policy (streaming heads of one
@@ -89,6 +91,7 @@ def _paged_visit(
     acc,  # [BLOCK_M, BLOCK_HV] f32
     l,  # [BLOCK_M] f32
     m,  # [BLOCK_M] f32 (base-2 scaled scores)
+    bad,  # [BLOCK_M] int32: 1 where the row saw a non-finite value (masked tiles)
     q,  # [BLOCK_M, BLOCK_H]
     k_ptr,  # [K, NUM_PAGES, P, H]
     v_ptr,  # [K, NUM_PAGES, P, HV]
@@ -173,6 +176,13 @@ def _paged_visit(
         if MASKED:
             visible = ok[None, :] & _visible(cols[None, :], pos[:, None], kv_len, win, sinks, True)
             p, alpha, m_new = _masked_softmax_step(qk, m, visible, SCALE_LOG2)
+            # Rows of a masked tile see different keys: a non-finite value must reach exactly
+            # the rows that see it (a 0 weight would still make 0 * NaN in the others), so it is
+            # zeroed here and the rows that see it are marked NaN at the end, as the reference.
+            v_bad = ~(tl.abs(v.to(tl.float32)) < float("inf"))  # [BLOCK_N, BLOCK_HV]
+            col_bad = tl.max(v_bad.to(tl.int32), 1)  # [BLOCK_N]
+            bad = tl.maximum(bad, tl.max((visible & (col_bad > 0)[None, :]).to(tl.int32), 1))
+            v = tl.where(v_bad, 0.0, v)
         elif PAGE_TILES:
             # Every row sees the whole tile unless its page is absent (K, V loaded as 0): such a
             # tile leaves m alone and gets p = 2^(s - inf) = 0. Per-row terms, no select per
@@ -187,7 +197,7 @@ def _paged_visit(
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m = m_new
-    return acc, l, m
+    return acc, l, m, bad
 
 
 @triton.jit
@@ -255,26 +265,28 @@ def _paged_prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_HV], tl.float32)
-    acc, l, m = _paged_visit(acc, l, m, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh,
-                             pos, 0, sink_end, kv_len, win, sinks, SCALE_LOG2, H, HV, P,
-                             NUM_PAGES, SUB, FP8, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION,
-                             PAGE_TILES)
-    acc, l, m = _paged_visit(acc, l, m, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh,
-                             pos, main_lo, full_lo, kv_len, win, sinks, SCALE_LOG2, H, HV, P,
-                             NUM_PAGES, SUB, FP8, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION,
-                             PAGE_TILES)
-    acc, l, m = _paged_visit(acc, l, m, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh,
-                             pos, full_lo, full_hi, kv_len, win, sinks, SCALE_LOG2, H, HV, P,
-                             NUM_PAGES, SUB, FP8, False, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION,
-                             PAGE_TILES, WARP_SPECIALIZE)
-    acc, l, m = _paged_visit(acc, l, m, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh,
-                             pos, full_hi, end, kv_len, win, sinks, SCALE_LOG2, H, HV, P,
-                             NUM_PAGES, SUB, FP8, True, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION,
-                             PAGE_TILES)
+    bad = tl.zeros([BLOCK_M], tl.int32)
+    # The sink tiles, the window's lower edge, the tiles every row sees whole, the diagonal.
+    acc, l, m, bad = _paged_visit(
+        acc, l, m, bad, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh, pos,
+        0, sink_end, kv_len, win, sinks, SCALE_LOG2, H, HV, P, NUM_PAGES, SUB, FP8, True,
+        BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION, PAGE_TILES)
+    acc, l, m, bad = _paged_visit(
+        acc, l, m, bad, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh, pos,
+        main_lo, full_lo, kv_len, win, sinks, SCALE_LOG2, H, HV, P, NUM_PAGES, SUB, FP8, True,
+        BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION, PAGE_TILES)
+    acc, l, m, bad = _paged_visit(
+        acc, l, m, bad, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh, pos,
+        full_lo, full_hi, kv_len, win, sinks, SCALE_LOG2, H, HV, P, NUM_PAGES, SUB, FP8, False,
+        BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION, PAGE_TILES, WARP_SPECIALIZE)
+    acc, l, m, bad = _paged_visit(
+        acc, l, m, bad, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, kh, pos,
+        full_hi, end, kv_len, win, sinks, SCALE_LOG2, H, HV, P, NUM_PAGES, SUB, FP8, True,
+        BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION, PAGE_TILES)
 
     empty = l == 0.0
     safe_l = tl.where(empty, 1.0, l)
-    out = acc / safe_l[:, None]
+    out = tl.where(bad[:, None] > 0, float("nan"), acc / safe_l[:, None])
     lse = tl.where(empty, float("-inf"), (m + tl.log2(safe_l)) * 0.6931471805599453)
     tl.store(o_ptr + q_rows[:, None] * HV + offs_hv[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (offs_hv < HV)[None, :])

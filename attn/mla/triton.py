@@ -215,8 +215,11 @@ def _mla_decode_kernel(
             s = s * token_scale[None, :]
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_HEADS, BLOCK_N]
+        # A row that has seen nothing yet (e.g. a split starting on an absent page) keeps p = 0
+        # and alpha = 1 instead of 2^(-inf - -inf) = NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        p = tl.exp2(s - m_use[:, None])  # [BLOCK_HEADS, BLOCK_N]
         l = l * alpha + tl.sum(p, axis=1)
         if FP8:
             p = p * token_scale[None, :]

@@ -168,8 +168,11 @@ def _paged_decode_kernel(
             s = s * tl.load(k_scale_ptr + srow, mask=valid, other=0.0)[None, :]
         s = tl.where(valid[None, :], s * SCALE_LOG2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # A row that has seen nothing yet (e.g. a split starting on an absent page) keeps p = 0
+        # and alpha = 1 instead of 2^(-inf - -inf) = NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(  # [BLOCK_N, BLOCK_HV]
             v_ptr + row[:, None] * HV + offs_hv[None, :],
