@@ -1,0 +1,371 @@
+"""The benchmark machinery: one timer, the ceilings, rows, tables and the group runner.
+
+Timing (`time_ms`) is one clock for our kernels and every anchor, JAX or torch: warm up, then the
+median over trials of back-to-back calls on the host clock, each trial closed by one device sync
+(`jax.block_until_ready`, or `torch.cuda.synchronize` when the result holds torch tensors), so
+launch gaps between calls do not count and compilation never does. CUDA events are not used:
+they record on torch's stream, which does not order the work JAX queues on its own streams, so
+they could time only one side. Ceilings (copy bandwidth, matmul rate) are measured in the same
+process as the kernels they judge, once per process, through `Context`. Rows follow PERF.md's
+JSON schema; `meets_goal` is computed from the goal, never typed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger("bench")
+
+
+def _sync(out) -> None:
+    """Wait for the device work behind `out` (JAX arrays, or torch CUDA tensors)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and any(isinstance(x, torch.Tensor) for x in jax.tree.leaves(out)):
+        torch.cuda.synchronize()
+    else:
+        jax.block_until_ready(out)
+
+
+def time_ms(fn: Callable, *args, iters: int = 10, trials: int = 5, warmup: int = 2,
+            budget_s: float | None = None, carry: Callable[[Any, tuple], tuple] | None = None,
+            steps: int = 1) -> float:
+    """Median milliseconds per call (per step with `steps`) of `fn(*args)`.
+
+    Args:
+      fn: a jitted JAX function, or a torch callable launching CUDA work (then usually no args).
+      *args: its arguments.
+      iters: back-to-back calls per trial.
+      trials: trials; the median is reported.
+      warmup: untimed calls first (the first one compiles or autotunes).
+      budget_s: if given, one more call is timed after the warm-up and `iters` / `trials` are cut
+        so that the timed calls take about this many seconds (at least 3 trials of 1 call, or
+        `trials` if fewer): a 300 ms call is not run 50 times.
+      carry: `(out, args) -> args` of the next call, for state a call donates and returns (a
+        pool, the engine state): every call then updates it in place.
+      steps: steps one call runs (unrolled decode steps, writes in a loop): the time is per step.
+    """
+    def call(args):
+        out = fn(*args)
+        return out, (args if carry is None else carry(out, args))
+
+    for _ in range(warmup):
+        out, args = call(args)
+        _sync(out)
+    if budget_s is not None:
+        start = time.perf_counter()
+        out, args = call(args)
+        _sync(out)
+        once = max(time.perf_counter() - start, 1e-6)
+        trials = max(min(trials, 3), min(trials, int(budget_s / once)))
+        iters = max(1, min(iters, int(budget_s / trials / once)))
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out, args = call(args)
+        _sync(out)
+        times.append((time.perf_counter() - start) * 1e3 / (iters * steps))
+    return statistics.median(times)
+
+
+def rel_err(a, b) -> float:
+    """`||a - b|| / ||b||` in float32: the correctness figure every benchmark row carries."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def qkv(seed: int, b: int, s: int, n: int, kh: int, h: int, dtype=jnp.bfloat16):
+    """Fresh normal q `[B, S, N, H]`, k and v `[B, S, K, H]` (self-attention prefill inputs)."""
+    key = jax.random.key(seed)
+    q = jax.random.normal(key, (b, s, n, h), dtype)
+    k = jax.random.normal(jax.random.fold_in(key, 1), (b, s, kh, h), dtype)
+    v = jax.random.normal(jax.random.fold_in(key, 2), (b, s, kh, h), dtype)
+    return q, k, v
+
+
+def kilo(n: int) -> str:
+    """`8192 -> "8K"` for case names; lengths that are not whole K stay as they are."""
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message (its type if empty), at most `limit` chars."""
+    return (str(e).splitlines() or [type(e).__name__])[0][:limit]
+
+
+def on_gpu() -> bool:
+    """Whether JAX runs on a GPU (anchors that need one are skipped, with a log line, if not)."""
+    return jax.default_backend() == "gpu"
+
+
+def copy_bandwidth_tbs(num_bytes: int = 4 << 30) -> dict[str, float]:
+    """Measured device copy bandwidth in TB/s (bytes read + bytes written per second).
+
+    Two ways, both reported: an XLA elementwise pass (`-x`) and, when torch with CUDA is in the
+    process, a device-to-device `copy_` (cudaMemcpy), usually the faster. The ceiling is the max.
+    """
+    n = num_bytes // 2
+    x = jnp.ones((n,), jnp.bfloat16)
+    ms = time_ms(jax.jit(lambda a: -a), x)
+    result = {"xla_elementwise": 2 * num_bytes / ms / 1e9}
+    del x
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            a = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+            b = torch.empty_like(a)
+            result["cuda_memcpy"] = 2 * num_bytes / time_ms(lambda: b.copy_(a), warmup=3) / 1e9
+            del a, b
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    result["ceiling"] = max(result.values())
+    return result
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """bf16 `n x n x n` matmul rate (TFLOP/s) through XLA: the compute ceiling."""
+    key = jax.random.key(1)
+    a = jax.random.normal(key, (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.bfloat16)
+    ms = time_ms(jax.jit(jnp.matmul), a, b, iters=20)
+    return 2 * n**3 / ms / 1e9
+
+
+def device_info() -> dict[str, str]:
+    """Device name, jax version and the repository commit, for every JSON file.
+
+    `LONGCTX_COMMIT` overrides `git rev-parse` (a copied tree whose git metadata is older)."""
+    dev = jax.devices()[0]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    return {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
+            "commit": os.environ.get("LONGCTX_COMMIT", commit)}
+
+
+def writable_triton_cache() -> str:
+    """Point Triton's kernel cache at a writable folder before a torch-side anchor (fla) compiles.
+
+    jax-triton clears `TRITON_CACHE_DIR` on import, and fla's first compile then fails with
+    "could not create or locate cache dir". `TRITON_CACHE_DIR` (kept if it already names a
+    writable folder) and, where this Triton has it, `triton.knobs.cache.dir` name the folder.
+
+    Returns:
+      The folder used.
+    """
+    import tempfile
+
+    path = os.environ.get("TRITON_CACHE_DIR", "")
+    if not path or not os.access(path, os.W_OK):
+        path = tempfile.mkdtemp(prefix="triton-cache-")
+        os.environ["TRITON_CACHE_DIR"] = path
+    try:
+        import triton
+
+        triton.knobs.cache.dir = path
+    except (ImportError, AttributeError):
+        pass
+    return path
+
+
+def row(*, kernel: str, case: str, ms: float, achieved: float, unit: str, ceiling: float | None,
+        anchor: str | None, anchor_ms: float | None, goal: str, meets_goal: bool | None,
+        **extra) -> dict:
+    """One PERF.md row; the fraction of the ceiling and the speed-up are derived here."""
+    out = {"kernel": kernel, "case": case, "ms": round(ms, 4), "achieved": round(achieved, 4),
+           "unit": unit}
+    if ceiling is not None:
+        out["ceiling"] = round(ceiling, 4)
+        out["fraction_of_ceiling"] = round(achieved / ceiling, 4)
+    out["anchor"] = anchor
+    out["anchor_ms"] = None if anchor_ms is None else round(anchor_ms, 4)
+    out["speedup_vs_anchor"] = None if not anchor_ms else round(anchor_ms / ms, 4)
+    out["goal"] = goal
+    out["meets_goal"] = meets_goal
+    out.update(extra)
+    return out
+
+
+@dataclasses.dataclass
+class Context:
+    """What the row groups of one process share: ceilings (measured once, on first use), timing
+    knobs and memoised figures (e.g. our dense time at a length, reused by the sparse rows).
+
+    Attributes:
+      quick: tiny shapes (`--quick`): one call per figure, small ceilings.
+      budget_s: about how long the timed calls of one figure take (`time_ms(budget_s=)`); a
+        group passes `budget_s=None` to `time` for fixed counts.
+      matmul_n: side of the ceiling matmul.
+      copy_bytes: bytes of the ceiling copy.
+      memo: figures measured once per process, keyed by the caller.
+    """
+
+    quick: bool = False
+    budget_s: float = 0.5
+    matmul_n: int = 8192
+    copy_bytes: int = 4 << 30
+    memo: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.quick:
+            self.matmul_n, self.copy_bytes = 256, 1 << 20
+
+    @property
+    def matmul_tflops(self) -> float:
+        return self.once("matmul_tflops", lambda: matmul_tflops(self.matmul_n))
+
+    @property
+    def copy_tbs(self) -> dict[str, float]:
+        """`copy_bandwidth_tbs()` of this process; `["ceiling"]` is the one rows use."""
+        return self.once("copy_tbs", lambda: copy_bandwidth_tbs(self.copy_bytes))
+
+    def ceilings(self) -> dict:
+        """The ceilings measured so far (for the JSON header)."""
+        out = {}
+        if "matmul_tflops" in self.memo:
+            out["matmul_tflops"] = round(self.memo["matmul_tflops"], 2)
+        if "copy_tbs" in self.memo:
+            out["copy_bandwidth_tbs"] = {k: round(v, 4) for k, v in self.memo["copy_tbs"].items()}
+        return out
+
+    def once(self, key, compute: Callable[[], Any]) -> Any:
+        """`compute()` the first time `key` is asked for, the memoised value after."""
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
+
+    def time(self, fn: Callable, *args, **knobs) -> float:
+        """`time_ms` with this context's knobs: one call (after one warm-up) when `quick`, else
+        `budget_s` unless `knobs` say otherwise (`carry` / `steps` are kept either way)."""
+        if self.quick:
+            kept = {k: v for k, v in knobs.items() if k in ("carry", "steps")}
+            return time_ms(fn, *args, iters=1, trials=1, warmup=1, **kept)
+        return time_ms(fn, *args, **({"budget_s": self.budget_s} | knobs))
+
+    def time_ours(self, triton_fn: Callable, mosaic_fn: Callable, *args) -> dict:
+        """Our kernel as `implementation="auto"` picks it: `mosaic_fn(*args)` where it runs (a
+        Hopper GPU and options it takes), else `triton_fn(*args)`; the Triton one is timed
+        either way. Returns `ms`, `out` and `impl` of ours, `triton_ms` / `triton_out`, and
+        `mosaic_note` (why not Mosaic) or `rel_err_triton_vs_mosaic`."""
+        triton_out = triton_fn(*args)
+        triton_ms = self.time(triton_fn, *args)
+        got = dict(ms=triton_ms, out=triton_out, impl="triton", triton_ms=triton_ms,
+                   triton_out=triton_out)
+        try:
+            out = mosaic_fn(*args)
+        except NotImplementedError as e:  # Mosaic refuses: the Triton kernel is ours
+            return got | dict(mosaic_note=first_line(e, 1000))
+        return got | dict(ms=self.time(mosaic_fn, *args), out=out, impl="mosaic",
+                          rel_err_triton_vs_mosaic=rel_err(triton_out, out))
+
+
+# The markdown table's columns (the JSON has every field); OPTIONAL ones only when a row has one.
+COLUMNS = ("kernel", "case", "impl", "ms", "achieved", "unit", "ceiling", "fraction_of_ceiling",
+           "anchor", "anchor_ms", "speedup_vs_anchor", "tokamax_ms", "speedup_vs_tokamax",
+           "goal", "meets_goal")
+OPTIONAL = ("impl", "tokamax_ms", "speedup_vs_tokamax")
+
+
+def _fmt(value) -> str:
+    """A table cell: floats at 4 decimals at most, None empty, `|` escaped."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return str(round(value, 4))
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items()) + "}"
+    return str(value).replace("|", "\\|")
+
+
+def render(name: str, data: dict, command: str) -> str:
+    """The markdown table of one JSON file: header (command, device, commit, ceilings), then a
+    row per measured case with the fixed `COLUMNS`."""
+    info = {k: v for k, v in data.items() if k != "rows"}
+    rows = data["rows"]
+    cols = [c for c in COLUMNS
+            if c not in OPTIONAL or any(r.get(c) is not None for r in rows)]
+    lines = [f"# {name}", "", f"Reproduce: `{command}` (every field: `{name}.json`).", "",
+             ", ".join(f"{k}: {_fmt(v)}" for k, v in info.items()), "",
+             "fraction_of_ceiling = achieved / ceiling (same process); speedup_vs_anchor = "
+             "anchor_ms / ms (> 1: ours is faster).", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write(name: str, rows: list[dict], *, info: dict, command: str,
+          out_dir: str | os.PathLike = "benchmarks") -> Path:
+    """Write `<out_dir>/<name>.json` (`info` + rows) and `<name>.md`; return the markdown path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = info | {"rows": rows}
+    (out_dir / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    md = out_dir / f"{name}.md"
+    md.write_text(render(name, data, command))
+    return md
+
+
+def print_table(rows: list[dict], cols: tuple[str, ...] = ("kernel", "case", "ms", "achieved",
+                "fraction_of_ceiling", "anchor_ms", "speedup_vs_anchor", "meets_goal")) -> None:
+    """A short fixed-width table on stdout (the end of a run's output)."""
+    if not rows:
+        return
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
+
+
+def run_groups(name: str, groups: dict[str, Callable[[Context], Iterable[dict]]], ctx: Context,
+               *, out_dir: str | os.PathLike, command: str) -> list[dict]:
+    """Run `groups` (each `ctx -> rows`, a list or a generator) in order.
+
+    A group that raises is logged and the next one runs (rows it yielded before are kept);
+    `<out_dir>/<name>.json` / `.md` are rewritten after every row, so a time limit that stops
+    the process still leaves the rows measured so far. Progress goes to stdout, flushed.
+
+    Returns:
+      All rows.
+    """
+    info = device_info()
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+
+    def save():
+        write(name, rows, info=info | ctx.ceilings(), command=command, out_dir=out_dir)
+
+    for group, run in groups.items():
+        start = time.perf_counter()
+        print(f"[{start - t0:7.1f} s] {group} ...", flush=True)
+        count = 0
+        try:
+            for r in run(ctx):
+                rows.append(r)
+                count += 1
+                save()
+                print(f"[{time.perf_counter() - t0:7.1f} s]   {r['kernel']} {r['case']}: "
+                      f"{r.get('ms')} ms, meets_goal={r.get('meets_goal')}", flush=True)
+        except Exception:  # one broken row group must not lose the others
+            log.exception("row group %s failed", group)
+        save()
+        now = time.perf_counter()
+        print(f"[{now - t0:7.1f} s] {group}: {count} rows in {now - start:.1f} s", flush=True)
+    return rows
