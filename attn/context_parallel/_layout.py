@@ -1,0 +1,95 @@
+"""The zig-zag sequence layout shared by the ring and all-gather variants.
+
+A sequence of `S` tokens, padded at its end to `S_pad`, a multiple of `2 D` (`D` devices on the
+mesh axis), is cut into `2 D` chunks of `C = S_pad / (2 D)` tokens. Device `d` holds chunks `d` and
+`2 D - 1 - d`, in that order: its local block is `[B, 2 C, ...]`. Under a causal mask each device
+then owns the same amount of work (chunk `d` sees `d + 1/2` chunks, chunk `2 D - 1 - d` sees
+`2 D - d - 1/2`: `2 D` chunk-pairs in all), where contiguous sharding would leave the last device
+`2 D - 1` times the first one's work.
+
+Padding sits at the end of the sequence, so causally no real query sees it; the first chunk of a
+device precedes its second, so a device's valid tokens are always a prefix of its block.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+try:  # jax >= 0.7 exports it at the top level; the experimental module is the older home
+    from jax import shard_map as _shard_map
+
+    _NO_CHECK = {"check_vma": False}
+except ImportError:  # pragma: no cover - depends on the installed jax
+    from jax.experimental.shard_map import shard_map as _shard_map
+
+    _NO_CHECK = {"check_rep": False}
+
+
+def shard_map(f, *, mesh, in_specs, out_specs):
+    """`jax.shard_map` without the replication / varying-axes check: the blocks run custom calls
+    (Triton, Mosaic GPU) that carry no such rule, and every output here is sharded."""
+    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **_NO_CHECK)
+
+
+def is_explicit(mesh: Mesh, axis_name: str) -> bool:
+    """Whether `axis_name` is an explicit-sharding axis (`jax.make_mesh`'s default): its arrays
+    carry their sharding in their type, and only `reshard` moves them."""
+    return dict(zip(mesh.axis_names, mesh.axis_types))[axis_name] == AxisType.Explicit
+
+
+def place(x: jax.Array, mesh: Mesh, spec: P, *, explicit: bool) -> jax.Array:
+    """`x` laid out as `spec` over `mesh`: `reshard` on explicit axes, a sharding constraint on
+    automatic ones."""
+    sharding = NamedSharding(mesh, spec)
+    return jax.sharding.reshard(x, sharding) if explicit else lax.with_sharding_constraint(
+        x, sharding)
+
+
+def padded_length(seq_len: int, num_shards: int) -> int:
+    """`seq_len` rounded up to a multiple of `2 * num_shards`."""
+    unit = 2 * num_shards
+    return -(-seq_len // unit) * unit
+
+
+def chunk_order(num_shards: int) -> np.ndarray:
+    """The chunks in layout order: `[0, 2D-1, 1, 2D-2, ..., D-1, D]` (device `d` holds entries
+    `2d` and `2d + 1`)."""
+    order = np.empty(2 * num_shards, np.int32)
+    order[0::2] = np.arange(num_shards)
+    order[1::2] = np.arange(2 * num_shards - 1, num_shards - 1, -1)
+    return order
+
+
+def to_zigzag(x: jax.Array, num_shards: int, *, axis: int = 1) -> jax.Array:
+    """Reorder `x`'s sequence axis (length a multiple of `2 * num_shards`) into the layout."""
+    return _permute_chunks(x, chunk_order(num_shards), 2 * num_shards, axis)
+
+
+def from_zigzag(x: jax.Array, num_shards: int, *, axis: int = 1) -> jax.Array:
+    """Inverse of `to_zigzag`."""
+    return _permute_chunks(x, np.argsort(chunk_order(num_shards)), 2 * num_shards, axis)
+
+
+def _permute_chunks(x, order, num_chunks, axis):
+    axis = axis % x.ndim
+    length = x.shape[axis]
+    chunks = x.reshape(x.shape[:axis] + (num_chunks, length // num_chunks) + x.shape[axis + 1:])
+    return jnp.take(chunks, jnp.asarray(order), axis=axis).reshape(x.shape)
+
+
+def chunk_starts(num_shards: int, chunk: int, axis_name: str) -> tuple[jax.Array, jax.Array]:
+    """Inside `shard_map`: global positions of this device's two chunks (int32 scalars)."""
+    d = lax.axis_index(axis_name)
+    return d * chunk, (2 * num_shards - 1 - d) * chunk
+
+
+def valid_prefix(seq_len: int, lo_start, hi_start, chunk: int):
+    """Valid (unpadded) tokens of a block whose chunks start at `lo_start` and `hi_start`: they are
+    a prefix of the block (the layout's padding rule)."""
+    return (jnp.clip(seq_len - lo_start, 0, chunk) + jnp.clip(seq_len - hi_start, 0, chunk)
+            ).astype(jnp.int32)

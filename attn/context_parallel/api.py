@@ -1,0 +1,287 @@
+"""Public context-parallel attention: causal prefill with the sequence sharded over a mesh axis.
+
+Two variants (see `ring.py`, `allgather.py`), each with two entry points:
+
+- `ring_attention` / `allgather_attention` take global arrays in sequence order and a mesh: they
+  pad, reorder into the zig-zag layout (`_layout.py`), run the variant under `jax.shard_map`,
+  restore the order and drop the padding. Differentiable.
+- `ring_attention_local` / `allgather_attention_local` run inside the caller's own `shard_map`
+  on blocks already in the layout. A model keeps its activations in the layout from embedding to
+  loss (every other op is per token), so there is no reorder per layer; `to_zigzag` /
+  `from_zigzag` convert at the ends.
+
+Semantics are `attn.dense.attention`'s on the whole sequence (`reference.attention`): GQA, causal
+or not, window + sinks per KV head (window needs `causal`). Queries and keys are the same
+sequence (self-attention prefill: `q`, `k`, `v` share `S`).
+
+A sequence length `S` that is not a multiple of `2 D` (`D` = size of the mesh axis) is padded at
+its end to the next multiple, not refused: a causal mask already hides the padding from every
+real query, a non-causal one masks it through `kv_lengths`, and the padded query rows are dropped
+(in the local entry points, `seq_len` says where the padding starts).
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from attn import _checks
+from attn._harness import IMPLEMENTATIONS
+from attn.context_parallel import _layout
+from attn.context_parallel.allgather import allgather_attention_shard
+from attn.context_parallel.ring import ring_attention_shard
+
+_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def to_zigzag(x: Float[Array, "B S ..."], num_shards: int, *, axis: int = 1) -> Array:
+    """Reorder the sequence axis into the zig-zag layout (device `d`: chunks `d`, `2D - 1 - d`).
+
+    Args:
+      x: array whose `axis` has length a multiple of `2 * num_shards`.
+      num_shards: `D`, the size of the mesh axis.
+      axis: the sequence axis.
+
+    Returns:
+      `x` with its `2 D` chunks reordered; shard it evenly over the mesh axis.
+
+    Raises:
+      ValueError: the length is not a multiple of `2 * num_shards`, `num_shards < 1`.
+    """
+    _check_layout_length(x, num_shards, axis)
+    return _layout.to_zigzag(x, num_shards, axis=axis)
+
+
+def from_zigzag(x: Float[Array, "B S ..."], num_shards: int, *, axis: int = 1) -> Array:
+    """Inverse of `to_zigzag` (same arguments and errors)."""
+    _check_layout_length(x, num_shards, axis)
+    return _layout.from_zigzag(x, num_shards, axis=axis)
+
+
+def ring_attention(
+    q: Float[Array, "B S N H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K Hv"],
+    *,
+    mesh: Mesh,
+    axis_name: str,
+    causal: bool = True,
+    scale: float | None = None,
+    window: int | Int[Array, " K"] | None = None,
+    sinks: int | Int[Array, " K"] = 0,
+    implementation: str = "auto",
+) -> tuple[Float[Array, "B S N Hv"], Float[Array, "B S N"]]:
+    """Ring attention over `mesh`'s axis `axis_name` (K/V passed around with `ppermute`).
+
+    Args:
+      q: `[B, S, N, H]` queries in sequence order (float32, bfloat16 or float16).
+      k: `[B, S, K, H]` keys, `N % K == 0`; v: `[B, S, K, Hv]` values; one dtype for all three.
+      mesh: the device mesh; the sequence is sharded over `axis_name`, other axes replicate.
+      axis_name: a name in `mesh.axis_names`.
+      causal: key `s` visible only to queries at positions `>= s`.
+      scale: softmax scale, default `H ** -0.5`.
+      window: None, an int or `[K]` int32: most recent positions visible (`<= 0`: full);
+        needs `causal`.
+      sinks: int >= 0 or `[K]` int32: keys `s < sinks` stay visible despite the window.
+      implementation: each block's `attn.dense.attention` backend (`"auto"`: Mosaic GPU / Triton
+        on a GPU, XLA on a CPU).
+
+    Returns:
+      `(out [B, S, N, Hv] in q's dtype, lse [B, S, N] float32)`, as `reference.attention`.
+
+    Raises:
+      ValueError: wrong ranks, mismatched sizes (batch, heads, `S` of q vs k), `N % K != 0`, a
+        window without `causal`, negative sinks, an axis name not in the mesh, a scale that is
+        not finite and positive, an unknown implementation.
+      TypeError: non-float or mixed dtypes, non-integer window / sinks, non-bool `causal`.
+    """
+    return _global(ring_attention_shard, q, k, v, mesh=mesh, axis_name=axis_name,
+                   causal=causal, scale=scale, window=window, sinks=sinks,
+                   implementation=implementation)
+
+
+def allgather_attention(
+    q: Float[Array, "B S N H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K Hv"],
+    *,
+    mesh: Mesh,
+    axis_name: str,
+    causal: bool = True,
+    scale: float | None = None,
+    window: int | Int[Array, " K"] | None = None,
+    sinks: int | Int[Array, " K"] = 0,
+    implementation: str = "auto",
+) -> tuple[Float[Array, "B S N Hv"], Float[Array, "B S N"]]:
+    """All-gather attention over `mesh`'s axis `axis_name` (whole K/V gathered on every device).
+
+    Args, Returns, Raises: as `ring_attention`.
+    """
+    return _global(allgather_attention_shard, q, k, v, mesh=mesh, axis_name=axis_name,
+                   causal=causal, scale=scale, window=window, sinks=sinks,
+                   implementation=implementation)
+
+
+def ring_attention_local(
+    q: Float[Array, "B T2 N H"],
+    k: Float[Array, "B T2 K H"],
+    v: Float[Array, "B T2 K Hv"],
+    *,
+    axis_name: str,
+    seq_len: int | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    window: int | Int[Array, " K"] | None = None,
+    sinks: int | Int[Array, " K"] = 0,
+    implementation: str = "auto",
+) -> tuple[Float[Array, "B T2 N Hv"], Float[Array, "B T2 N"]]:
+    """Ring attention on this device's zig-zag block, inside the caller's `shard_map`.
+
+    Args:
+      q, k, v: this device's block of the `to_zigzag` layout, `T2 = 2C` tokens (even).
+      axis_name: the `shard_map` axis the sequence is sharded over.
+      seq_len: real length `S <= D * T2`; positions `>= S` are padding (default `D * T2`).
+      causal, scale, window, sinks, implementation: as in `ring_attention`.
+
+    Returns:
+      `(out [B, T2, N, Hv] in q's dtype, lse [B, T2, N] float32)` for this device's tokens.
+
+    Raises:
+      ValueError: as `ring_attention`; an odd `T2`, `seq_len` outside `[1, D * T2]`, an
+        `axis_name` that is not bound by an enclosing `shard_map`.
+      TypeError: as `ring_attention`.
+    """
+    return _local(ring_attention_shard, q, k, v, axis_name=axis_name, seq_len=seq_len,
+                  causal=causal, scale=scale, window=window, sinks=sinks,
+                  implementation=implementation)
+
+
+def allgather_attention_local(
+    q: Float[Array, "B T2 N H"],
+    k: Float[Array, "B T2 K H"],
+    v: Float[Array, "B T2 K Hv"],
+    *,
+    axis_name: str,
+    seq_len: int | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    window: int | Int[Array, " K"] | None = None,
+    sinks: int | Int[Array, " K"] = 0,
+    implementation: str = "auto",
+) -> tuple[Float[Array, "B T2 N Hv"], Float[Array, "B T2 N"]]:
+    """All-gather attention on this device's zig-zag block, inside the caller's `shard_map`.
+
+    Args, Returns, Raises: as `ring_attention_local`.
+    """
+    return _local(allgather_attention_shard, q, k, v, axis_name=axis_name, seq_len=seq_len,
+                  causal=causal, scale=scale, window=window, sinks=sinks,
+                  implementation=implementation)
+
+
+def _check_layout_length(x, num_shards, axis) -> None:
+    _checks.check_positive("num_shards", num_shards)
+    length = x.shape[axis]
+    if length % (2 * num_shards):
+        raise ValueError(f"sequence length {length} (axis {axis}) must be a multiple of "
+                         f"2 * num_shards = {2 * num_shards}")
+
+
+def _validate(q, k, v, *, causal, scale, window, sinks, implementation) -> dict:
+    """Checks shared by every entry point; returns the normalised options."""
+    _checks.check_rank("q", q, 4, "B S N H")
+    _checks.check_rank("k", k, 4, "B S K H")
+    _checks.check_rank("v", v, 4, "B S K Hv")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.check_dtype(name, x, _FLOATS)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q.dtype={q.dtype}, k.dtype={k.dtype} and v.dtype={v.dtype} must agree")
+    _checks.check_same("k.shape[:-1]", k.shape[:-1], "v.shape[:-1]", v.shape[:-1])
+    _checks.check_same("q.shape[:2] (B, S)", q.shape[:2], "k.shape[:2] (B, S)", k.shape[:2])
+    _checks.check_same("q head dim H", q.shape[-1], "k head dim H", k.shape[-1])
+    _checks.check_divisible("num_heads N", q.shape[2], "num_kv_heads K", k.shape[2])
+    _checks.check_positive("sequence length S", q.shape[1])
+    if not isinstance(causal, bool | np.bool_):
+        raise TypeError(f"causal={causal!r} must be a bool")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
+    scale = _checks.check_scale(scale)
+    num_kv_heads = k.shape[2]
+    if window is not None:
+        if not causal:
+            raise ValueError(f"window={window!r} needs causal=True (the window counts back from "
+                             f"the query)")
+        window = _checks.as_int_array("window", window, (num_kv_heads,), "K")
+    sinks = _checks.as_int_array("sinks", sinks, (num_kv_heads,), "K")
+    _checks.check_range("sinks", sinks, 0)
+    return dict(causal=bool(causal), scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+                window=window, sinks=sinks, implementation=implementation)
+
+
+def _global(shard_fn, q, k, v, *, mesh, axis_name, **options):
+    options = _validate(q, k, v, **options)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh={mesh!r} (type {type(mesh).__name__}) must be a jax.sharding.Mesh")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
+                         f"{tuple(mesh.axis_names)}")
+    window, sinks = options.pop("window"), options.pop("sinks")
+    has_window = window is not None
+    return _sharded(shard_fn, q, k, v, window if has_window else sinks, sinks, mesh=mesh,
+                    axis_name=axis_name, has_window=has_window, **options)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=(
+    "mesh", "axis_name", "has_window", "causal", "scale", "implementation"))
+def _sharded(shard_fn, q, k, v, window, sinks, *, mesh, axis_name, has_window, **options):
+    """Pad, lay out, run `shard_fn` under `shard_map`, restore the order, drop the padding."""
+    num = mesh.shape[axis_name]
+    seq_len = q.shape[1]
+    pad = _layout.padded_length(seq_len, num) - seq_len
+    explicit = _layout.is_explicit(mesh, axis_name)
+    spec = P(None, axis_name)
+
+    def prepare(x):
+        if explicit:  # reorder a replicated copy: explicit types have no rule for the reshape
+            x = _layout.place(x, mesh, P(), explicit=True)
+        x = _layout.to_zigzag(jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))), num)
+        return _layout.place(x, mesh, spec, explicit=explicit)
+
+    def restore(x):
+        if explicit:
+            x = _layout.place(x, mesh, P(), explicit=True)
+        return _layout.from_zigzag(x, num)[:, :seq_len]
+
+    def local(q, k, v, window, sinks):
+        return shard_fn(q, k, v, axis_name=axis_name, seq_len=seq_len,
+                        window=window if has_window else None, sinks=sinks, **options)
+
+    out, lse = _layout.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(), P()),
+                                 out_specs=(spec, spec))(
+        prepare(q), prepare(k), prepare(v), window, sinks)
+    return restore(out), restore(lse)
+
+
+def _local(shard_fn, q, k, v, *, axis_name, seq_len, **options):
+    options = _validate(q, k, v, **options)
+    local = q.shape[1]
+    if local % 2:
+        raise ValueError(f"local block length T2={local} must be even (two chunks of the "
+                         f"zig-zag layout)")
+    try:
+        num = lax.axis_size(axis_name)
+    except NameError as e:
+        raise ValueError(f"axis_name={axis_name!r} is not bound: call inside a shard_map over "
+                         f"that axis") from e
+    if seq_len is None:
+        seq_len = num * local
+    if not isinstance(seq_len, numbers.Integral) or not 1 <= seq_len <= num * local:
+        raise ValueError(f"seq_len={seq_len!r} must be an int in [1, D * T2 = {num * local}]")
+    return shard_fn(q, k, v, axis_name=axis_name, seq_len=int(seq_len), **options)
