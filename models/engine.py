@@ -746,6 +746,52 @@ class Engine:
         held[:, self._paged_index] = self._extent - self._released
         return held
 
+    def check_page_tables(self) -> None:
+        """Check the device block tables and allocator against the host mirror, entry by entry.
+
+        For every slot, paged layer (attention and MLA alike) and head: the extent and recycle
+        cursor equal the mirror's; logical pages `[0, extent)` outside the released run
+        `[cursor - released, cursor)` hold an id in `[1, num_pages)` and every other entry is -1;
+        per head, no id is held twice, the allocator's `owned` marks exactly the held ids, and its
+        free count equals the mirror's. A debugging and test aid: it reads device state, so call
+        it between steps, never inside one.
+
+        Raises:
+          AssertionError: naming the first slot / layer / head that differs.
+        """
+        b, lp, k = self._extent.shape
+        tables = self.states.tables
+        table = np.asarray(tables.table).reshape(b, lp, k, -1)
+        extent = np.asarray(tables.extent).reshape(b, lp, k)
+        cursor = np.asarray(tables.cursor).reshape(b, lp, k)
+        alloc = self.states.allocator
+        owned = np.asarray(alloc.owned).reshape(lp, k, -1)
+        free = np.asarray(alloc.free_count).reshape(lp, k)
+        for name, dev, host in (("extent", extent, self._extent), ("cursor", cursor, self._cursor),
+                                ("free_count", free, self._free_count)):
+            if not np.array_equal(dev, host):
+                where = tuple(int(i) for i in np.argwhere(dev != host)[0])
+                raise AssertionError(f"{name} at {where}: device {dev[where]} != host mirror "
+                                     f"{host[where]}")
+        j = np.arange(table.shape[-1])
+        held = ((j < self._extent[..., None])
+                & ~((j >= (self._cursor - self._released)[..., None])
+                    & (j < self._cursor[..., None])))  # [B, Lp, K, M]
+        ok = np.where(held, (table >= 1) & (table < self.num_pages), table == kv.UNALLOCATED)
+        if not ok.all():
+            where = tuple(int(i) for i in np.argwhere(~ok)[0])
+            raise AssertionError(f"table entry (slot, paged layer, head, page) {where} = "
+                                 f"{table[where]}; held by the mirror: {bool(held[where])}")
+        for layer in range(lp):
+            for head in range(k):
+                ids = table[:, layer, head][held[:, layer, head]]
+                mine = np.zeros(self.num_pages, bool)
+                mine[ids] = True
+                if len(np.unique(ids)) != len(ids) or not np.array_equal(mine, owned[layer, head]):
+                    raise AssertionError(f"paged layer {layer}, head {head}: held ids "
+                                         f"{sorted(ids.tolist())} vs owned "
+                                         f"{np.flatnonzero(owned[layer, head]).tolist()}")
+
     # -- scheduling ----------------------------------------------------------------------------
 
     def _free_slots_on_device(self, rows: list[int]) -> None:
