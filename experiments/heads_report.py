@@ -54,6 +54,7 @@ def report(heads: dict, results: dict) -> tuple[str, dict]:
             dense = pooled(rows, "dense", task, longest)["accuracy"]
             entry[task] = dict(by_length={n: c for n, c in zip(lengths, cells)},
                                ratio_to_dense=(cells[-1]["accuracy"] / dense) if dense else None)
+        entry["streaming"] = results["timing"][p].get("streaming")
         entry["kv_bytes"] = pooled(rows, p, tasks[0], longest)["kv_bytes"]
         entry["kv_fraction"] = entry["kv_bytes"] / pooled(rows, "dense", tasks[0],
                                                           longest)["kv_bytes"]
@@ -62,7 +63,8 @@ def report(heads: dict, results: dict) -> tuple[str, dict]:
     def cell(c):
         return f"{c['accuracy']:.2f} [{c['ci'][0]:.2f}, {c['ci'][1]:.2f}]"
 
-    head = ("| policy | " + " | ".join(f"{t} {n // 1024}K" for t in tasks for n in lengths)
+    head = ("| policy | heads streaming | "
+            + " | ".join(f"{t} {n // 1024}K" for t in tasks for n in lengths)
             + f" | {' | '.join(f'{t} / dense at {longest // 1024}K' for t in tasks)}"
             + f" | KV at {longest // 1024}K | KV / dense |")
     lines = [
@@ -76,7 +78,9 @@ def report(heads: dict, results: dict) -> tuple[str, dict]:
         "Wilson interval. `headwise` streams every other (layer, KV head); `-scored` streams the "
         "heads with the lowest training-free score (retrieval mass + streaming error, "
         "`models.heads.scoring`); `-trained` the lowest DuoAttention gates "
-        "(`models.heads.gates`); `@f` is the fraction of KV heads streaming.",
+        "(`models.heads.gates`); `@f` is the fraction of KV heads streaming; `elastic-trained` "
+        "lets the trained Elastic-Attention router pick each request's streaming heads "
+        "(prefill streaming on 128-token blocks, `models.heads.elastic`).",
         "",
         head,
         "|" + "---|" * (head.count("|") - 1),
@@ -85,7 +89,8 @@ def report(heads: dict, results: dict) -> tuple[str, dict]:
         accs = [cell(e[t]["by_length"][n]) for t in tasks for n in lengths]
         ratios = [f"{e[t]['ratio_to_dense']:.2f}" if e[t]["ratio_to_dense"] is not None else "-"
                   for t in tasks]
-        lines.append(f"| {e['policy']} | " + " | ".join(accs) + " | " + " | ".join(ratios)
+        frac = "-" if e["streaming"] is None else f"{e['streaming']:.2f}"
+        lines.append(f"| {e['policy']} | {frac} | " + " | ".join(accs) + " | " + " | ".join(ratios)
                      + f" | {e['kv_bytes'] / 2**20:.1f} MiB | {e['kv_fraction']:.3f} |")
     lines += ["", "Gate training (the `-trained` rows): "
               f"{meta.get('steps')} steps of batch {meta.get('batch')} on prompts of "
@@ -95,7 +100,16 @@ def report(heads: dict, results: dict) -> tuple[str, dict]:
               f"{meta.get('train_s', 0):.1f} s in all (compile included), "
               f"{meta.get('steps_per_s') or 0:.2f} steps/s and "
               f"{meta.get('tokens_per_s') or 0:,.0f} tokens/s after the first step; scoring "
-              f"{meta.get('score_s', 0):.1f} s.", ""]
+              f"{meta.get('score_s', 0):.1f} s."]
+    router = meta.get("router")
+    if router:
+        lines += ["", f"Router training (`elastic-trained`): {meta.get('steps')} steps, target "
+                  f"sparse fraction {router['target']}, lr {router['lr']}, Lagrangian lr "
+                  f"{router['lagrangian_lr']}: {router['train_s']:.1f} s in all, "
+                  f"{router.get('steps_per_s') or 0:.2f} steps/s, "
+                  f"{router.get('tokens_per_s') or 0:,.0f} tokens/s; expected sparse fraction "
+                  f"at the end {router['final_sparse_fraction']:.3f}."]
+    lines.append("")
     data = dict(model=results["model"], device=results["device"], commit=results.get("commit"),
                 eval_args=results["args"], training=meta, policies=table,
                 timing=results["timing"])

@@ -16,6 +16,8 @@ offline from a seed) at several lengths and needle depths, greedily, under the p
 * `headwise-scored`: the heads with the lowest training-free scores stream, at each
   `--stream-fraction` (needs `--heads`, written by `experiments.train_heads`);
 * `headwise-trained`: the heads with the lowest trained gates stream, at each `--stream-fraction`;
+* `elastic-trained`: the trained Elastic-Attention router of the same backbone decides per
+  request which heads stream (`train_heads --train router`; its target sets the fraction);
 * `fp8`: dense attention over float8_e4m3fn KV pages (per-sub-block fp32 scales).
 
 Per policy, task and length it reports task accuracy with n and its 95% Wilson interval,
@@ -42,7 +44,8 @@ import numpy as np
 
 from experiments.cli import commit, float_list, fraction, int_list, positive_int, validate_choices
 
-POLICIES = ("dense", "window", "headwise", "headwise-scored", "headwise-trained", "fp8")
+POLICIES = ("dense", "window", "headwise", "headwise-scored", "headwise-trained",
+            "elastic-trained", "fp8")
 DEFAULT_POLICIES = ("dense", "window", "headwise", "fp8")
 SELECTED = {"headwise-scored": "scored", "headwise-trained": "trained"}
 TASKS = ("passkey", "multikey")
@@ -110,7 +113,7 @@ def parse_args(argv=None):
         p.error(f"--lengths {args.lengths}: every length must be >= 64 tokens")
     args.tasks = validate_choices(p, "--tasks", args.tasks, TASKS)
     args.policies = validate_choices(p, "--policies", args.policies, POLICIES)
-    selected = [x for x in args.policies if x in SELECTED]
+    selected = [x for x in args.policies if x in SELECTED or x == "elastic-trained"]
     if selected and args.heads is None:
         p.error(f"--policies {','.join(selected)} need --heads (a heads.json written by "
                 "`python -m experiments.train_heads`)")
@@ -132,7 +135,9 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def build_policies(args, num_layers: int, num_kv_heads: int) -> dict:
-    """Policy label -> `(Policy, fp8)` for every requested policy (and fraction)."""
+    """Policy label -> `(Policy or None, engine)` for every requested policy (and fraction);
+    `engine` is "model" (KV pages in the model dtype), "fp8" (fp8 pages) or "elastic" (the
+    routed model, whose router picks each request's policy)."""
     from models.engine import Policy
     from models.heads import HeadSelection
 
@@ -147,17 +152,37 @@ def build_policies(args, num_layers: int, num_kv_heads: int) -> dict:
     geometry = dict(window=args.window, sinks=args.sinks)
     for name in ["dense"] + [x for x in args.policies if x != "dense"]:
         if name in ("dense", "fp8"):
-            out[name] = (Policy.dense(num_layers, num_kv_heads), name == "fp8")
+            kind = "fp8" if name == "fp8" else "model"
+            out[name] = (Policy.dense(num_layers, num_kv_heads), kind)
         elif name == "window":
-            out[name] = (Policy.streaming(num_layers, num_kv_heads, **geometry), False)
+            out[name] = (Policy.streaming(num_layers, num_kv_heads, **geometry), "model")
         elif name == "headwise":
-            out[name] = (Policy.headwise(num_layers, num_kv_heads, **geometry), False)
+            out[name] = (Policy.headwise(num_layers, num_kv_heads, **geometry), "model")
+        elif name == "elastic-trained":
+            if "router" not in selection.meta:
+                raise SystemExit(f"--heads {args.heads} has no trained router; run "
+                                 "`python -m experiments.train_heads --train router`")
+            out[name] = (None, "elastic")
         else:
             for f in args.stream_fraction:
                 mask = selection.streaming(SELECTED[name], f)
                 out[f"{name}@{f:g}"] = (Policy.headwise(num_layers, num_kv_heads,
-                                                         streaming=mask, **geometry), False)
+                                                         streaming=mask, **geometry), "model")
     return out
+
+
+def elastic_model(model, heads_path: str):
+    """The routed model of `train_heads --train router`: `model`'s backbone, the trained routers
+    (`router.safetensors` beside `heads_path`) and their streaming geometry."""
+    from models.heads import HeadSelection
+    from models.heads.elastic import elastic_from
+    from models.heads.router import load_router
+
+    router = HeadSelection.load(heads_path).meta["router"]
+    routed = elastic_from(model, window=router["window"], sinks=router["sinks"])
+    load_router(routed, os.path.join(os.path.dirname(os.path.abspath(heads_path)),
+                                     router["path"]))
+    return routed
 
 
 def run_policy(engine, policy, samples, tokenizer, max_tokens, bar):
@@ -170,6 +195,7 @@ def run_policy(engine, policy, samples, tokenizer, max_tokens, bar):
     for key in ("mixed_seconds", "decode_seconds"):
         engine.stats[key] = 0.0
     reqs = [engine.add(Request(list(s.prompt), params, policy)) for s in samples]
+    sparse = []  # elastic engines: fraction of heads each request's router made streaming
     peak = {r.id: 0 for r in reqs}
     first = {}  # request id -> log-probabilities of its first generated token
     while not engine.idle:
@@ -181,9 +207,11 @@ def run_policy(engine, policy, samples, tokenizer, max_tokens, bar):
             if req is not None:
                 peak[req.id] = max(peak[req.id], int(engine.kv_bytes(row).sum()))
         bar.update(len(done))
+    sparse = [float(np.mean(np.asarray(r.decisions) == 0)) for r in reqs
+              if r.decisions is not None]
     return ([r.output for r in reqs], [peak[r.id] for r in reqs], [first[r.id] for r in reqs],
             engine.stats["mixed_seconds"], engine.stats["decode_seconds"],
-            sum(r.preemptions for r in reqs))
+            sum(r.preemptions for r in reqs), float(np.mean(sparse)) if sparse else None)
 
 
 def main(argv=None):
@@ -208,28 +236,35 @@ def main(argv=None):
     max_len = max(args.lengths) + args.max_tokens
     engines = {}
 
-    def engine_for(fp8):
-        if fp8 not in engines:
-            engines[fp8] = Engine(model, batch_slots=args.batch, max_len=max_len,
-                                  page_size=args.page_size, chunk=min(args.chunk, max_len),
-                                  kv_dtype=jnp.float8_e4m3fn if fp8 else None)
+    def engine_for(kind):
+        if kind not in engines:
+            if kind == "elastic":  # a routed prompt is prefilled in one chunk
+                engines[kind] = Engine(elastic_model(model, args.heads), batch_slots=args.batch,
+                                       max_len=max_len, page_size=args.page_size, chunk=max_len,
+                                       elastic=True)
+            else:
+                engines[kind] = Engine(model, batch_slots=args.batch, max_len=max_len,
+                                       page_size=args.page_size, chunk=min(args.chunk, max_len),
+                                       kv_dtype=jnp.float8_e4m3fn if kind == "fp8" else None)
             # Warm-up: compile the mixed and decode steps on a short request.
-            engines[fp8].generate([samples[0].prompt[:8]], SamplingParams(max_tokens=2))
-        return engines[fp8]
+            engines[kind].generate([samples[0].prompt[:8]], SamplingParams(max_tokens=2))
+        return engines[kind]
 
     results = {}
     bar = tqdm(total=len(policies) * len(samples), desc="longctx_eval", unit="req")
-    for name, (policy, fp8) in policies.items():  # dense first: agreement and KL against it
-        fresh = fp8 not in engines
+    for name, (policy, kind) in policies.items():  # dense first: agreement and KL against it
+        fresh = kind not in engines
         bar.set_postfix(policy=name + (" (compiling)" if fresh else ""))
         t0 = time.perf_counter()
-        engine = engine_for(fp8)
+        engine = engine_for(kind)
         compile_s = time.perf_counter() - t0
         bar.set_postfix(policy=name)
-        outs, peaks, logp, prefill_s, decode_s, preempted = run_policy(
+        outs, peaks, logp, prefill_s, decode_s, preempted, sparse = run_policy(
             engine, policy, samples, tokenizer, args.max_tokens, bar)
         results[name] = dict(outputs=outs, kv_bytes=peaks, logp=logp, prefill_s=prefill_s,
-                             decode_s=decode_s, preemptions=preempted, setup_s=compile_s)
+                             decode_s=decode_s, preemptions=preempted, setup_s=compile_s,
+                             streaming=sparse if policy is None
+                             else float(np.mean(policy.window > 0)))
     bar.close()
 
     rows = []
@@ -250,7 +285,8 @@ def main(argv=None):
         r["texts"] = texts
     n = len(samples)
     timing = {name: dict(prefill_s_per_req=r["prefill_s"] / n, decode_s_per_req=r["decode_s"] / n,
-                         setup_s=r["setup_s"], preemptions=r["preemptions"])
+                         setup_s=r["setup_s"], preemptions=r["preemptions"],
+                         streaming=r["streaming"])
               for name, r in results.items()}
     wall = time.perf_counter() - t_start
 
@@ -285,18 +321,20 @@ def _kl(logp: np.ndarray, logq: np.ndarray) -> float:
 
 def _table(rows, timing) -> str:
     width = max(len(r["policy"]) for r in rows)
-    head = (f"{'policy':<{width}} {'task':<9} {'length':>6} {'n':>3} {'acc':>5} "
+    head = (f"{'policy':<{width}} {'stream':>6} {'task':<9} {'length':>6} {'n':>3} {'acc':>5} "
             f"{'95% CI':>11} {'agree':>6} {'KL':>8} {'KV MiB/req':>10} {'prefill s/req':>13} "
             f"{'decode s/req':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         t = timing[r["policy"]]
         ci = f"{r['ci_low']:.2f}-{r['ci_high']:.2f}"
-        lines.append(f"{r['policy']:<{width}} {r['task']:<9} {r['length']:>6} {r['n']:>3} "
+        lines.append(f"{r['policy']:<{width}} {t['streaming']:>6.2f} {r['task']:<9} "
+                     f"{r['length']:>6} {r['n']:>3} "
                      f"{r['accuracy']:>5.2f} {ci:>11} {r['agreement']:>6.2f} {r['kl']:>8.1e} "
                      f"{r['kv_bytes'] / 2**20:>10.2f} {t['prefill_s_per_req']:>13.2f} "
                      f"{t['decode_s_per_req']:>12.2f}")
-    lines.append("(KL: first generated token's distribution, KL(dense || policy) in nats; "
+    lines.append("(stream: fraction of KV heads streaming, the router's mean for elastic; "
+                 "KL: first generated token's distribution, KL(dense || policy) in nats; "
                  "prefill / decode: host wall time of the engine's steps per request, all "
                  "lengths pooled; batch slots shared; CI: Wilson 95%)")
     return "\n".join(lines)

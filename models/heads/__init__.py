@@ -15,9 +15,14 @@
 from models.heads.data import Batch, batch_from_samples
 from models.heads.gates import Gate, GatedLM, binarize, distill_loss, make_optimizer, train_step
 from models.heads.mix import MixedAttend, ProbeAttend, full_and_streaming, static_gates
+from models.heads.scoring import (
+                                  SCORE_METHODS,
+                                  HeadScores,
+                                  attention_layers,
+                                  score_heads,
+                                  streaming_mask,
+)
 from models.heads.selection import SOURCES, HeadSelection
-from models.heads.scoring import (SCORE_METHODS, HeadScores, attention_layers, score_heads,
-                                  streaming_mask)
 
 __all__ = [
     "SCORE_METHODS",

@@ -63,7 +63,7 @@ class HeadSelection:
         if kind == "trained" and not method:
             if self.gates is None:
                 raise ValueError("this selection has no trained gates; run "
-                                 "`python -m experiments.train_heads` without --no-train")
+                                 "`python -m experiments.train_heads --train gates`")
             return self.gates
         if kind == "scored":
             if self.scores is None:

@@ -15,10 +15,23 @@ from flax import nnx
 from attn.dense import attention
 from experiments import longctx_eval, tasks, train_heads
 from models.families.llama import LlamaForCausalLM
-from models.heads import (Batch, Gate, GatedLM, HeadScores, HeadSelection, MixedAttend,
-                          ProbeAttend, batch_from_samples, binarize, distill_loss,
-                          make_optimizer, score_heads, streaming_mask, train_step)
-from models.layers.attention import AttentionConfig, AttendSpec, DenseAttend, QKV
+from models.heads import (
+    Batch,
+    Gate,
+    GatedLM,
+    HeadScores,
+    HeadSelection,
+    MixedAttend,
+    ProbeAttend,
+    batch_from_samples,
+    binarize,
+    distill_loss,
+    make_optimizer,
+    score_heads,
+    streaming_mask,
+    train_step,
+)
+from models.layers.attention import QKV, AttendSpec, AttentionConfig, DenseAttend
 from models.layers.rope import RopeConfig
 from models.transformer import DecoderConfig
 from tests.utils import assert_close, rng
@@ -261,7 +274,9 @@ def test_train_gates_resumes_after_a_kill(tmp_path):
     (["--tasks", "bogus"], "unknown"),
     (["--model", "/nonexistent.gguf"], "no such file"),
     (["--batch", "0"], "must be >= 1"),
-    (["--no-score", "--no-train"], "nothing to do"),
+    (["--no-score", "--train", "none"], "nothing to do"),
+    (["--train", "gates,bogus"], "unknown"),
+    (["--target", "2"], "--target 2.0 must be in"),
 ])
 def test_train_heads_bad_input_is_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -294,8 +309,8 @@ def test_longctx_eval_builds_selected_policies(tmp_path):
                                     "--window", "16", "--sinks", "2"])
     policies = longctx_eval.build_policies(args, 3, 2)
     assert list(policies) == ["dense", "headwise-trained@0.5", "headwise-trained@1"]
-    half, fp8 = policies["headwise-trained@0.5"]
-    assert not fp8
+    half, engine = policies["headwise-trained@0.5"]
+    assert engine == "model"
     np.testing.assert_array_equal(half.window > 0, [[True, False], [True, False], [False, True]])
     assert (half.sinks[half.window > 0] == 2).all()
     with pytest.raises(SystemExit, match="for \\[L, K\\] = \\[3, 2\\]"):
@@ -319,9 +334,48 @@ def test_heads_report_table(tmp_path):
     results = dict(rows=rows, model="m.gguf", device="cpu", commit="abc",
                    args=dict(tasks=["passkey"], dtype="float32", sinks=2, window=16, samples=4,
                              depths=[0.5]),
-                   timing={"dense": {}, "headwise-trained@0.5": {}})
+                   timing={"dense": {"streaming": 0.0}, "headwise-trained@0.5": {"streaming": 0.5}})
     md, data = heads_report.report(dict(meta=dict(steps=3, lengths=[256])), results)
-    assert "| headwise-trained@0.5 | 0.75 [" in md
+    assert "| headwise-trained@0.5 | 0.50 | 0.75 [" in md
     assert data["policies"][1]["passkey"]["ratio_to_dense"] == 0.75
     assert data["policies"][1]["kv_fraction"] == 0.55
     json.dumps(data)
+
+
+def test_elastic_from_shares_the_backbone():
+    from models.heads.elastic import elastic_from
+
+    model = tiny_model()
+    routed = elastic_from(model, window=16, sinks=4)
+    ids = tiny_batch(t=40).input_ids
+    np.testing.assert_array_equal(np.asarray(routed(ids, elastic=False)), np.asarray(model(ids)))
+    kernel = routed.layers[0].mixer.router.cls_feat_extractor.layers[0].kernel[...]
+    assert kernel.dtype == jnp.float32
+    with pytest.raises(TypeError, match="DecoderConfig"):
+        elastic_from(routed, window=16, sinks=4)
+
+
+def test_router_training_round_trip_through_the_eval(tmp_path):
+    tok = ByteTokenizer()
+    args = _train_args(tmp_path, 2)
+    vars(args).update(router_lr=1e-3, lagrangian_lr=1e-2, target=0.5, target_ramp=0.5)
+    model = tiny_model()
+    facts, hist, _ = train_heads.train_router(model, tok, args, str(tmp_path))
+    assert [h["step"] for h in hist] == [0, 1] and facts["path"] == "router.safetensors"
+    assert 0.0 <= facts["final_sparse_fraction"] <= 1.0
+    HeadSelection(2, 2, 16, 2, meta=dict(router=facts)).save(str(tmp_path / "heads.json"))
+    routed = longctx_eval.elastic_model(model, str(tmp_path / "heads.json"))
+    ids = tiny_batch(t=40).input_ids
+    from models.heads.router import router_tensors
+
+    np.testing.assert_array_equal(np.asarray(routed(ids, elastic=False)), np.asarray(model(ids)))
+    saved = router_tensors(routed)
+    assert any(np.abs(v).sum() > 0 for v in saved.values())
+    eval_args = longctx_eval.parse_args(["--heads", str(tmp_path / "heads.json"), "--policies",
+                                         "dense,elastic-trained"])
+    policies = longctx_eval.build_policies(eval_args, 2, 2)
+    assert policies["elastic-trained"] == (None, "elastic")
+    HeadSelection(2, 2, 16, 2, gates=np.ones((2, 2))).save(str(tmp_path / "gates.json"))
+    eval_args.heads = str(tmp_path / "gates.json")
+    with pytest.raises(SystemExit, match="no trained router"):
+        longctx_eval.build_policies(eval_args, 2, 2)
