@@ -21,10 +21,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--heads", required=True, help="heads.json of experiments.train_heads")
-    p.add_argument("--eval", required=True, help="results.json of experiments.longctx_eval")
+    p.add_argument("--eval", required=True, nargs="+",
+                   help="results.json of experiments.longctx_eval (several: their policies are "
+                        "joined; the first file's dense rows are the reference)")
     p.add_argument("--out", default="benchmarks/heads", help="path without extension")
     args = p.parse_args(argv)
-    for flag, path in (("--heads", args.heads), ("--eval", args.eval)):
+    for flag, path in [("--heads", args.heads)] + [("--eval", e) for e in args.eval]:
         if not os.path.isfile(path):
             p.error(f"{flag} {path}: no such file")
     return args
@@ -116,12 +118,26 @@ def report(heads: dict, results: dict) -> tuple[str, dict]:
     return "\n".join(lines), data
 
 
+def merged(results: list[dict]) -> dict:
+    """One results dict of several longctx_eval runs with the same prompts: the first run whole,
+    then each later run's policies that the earlier ones lack."""
+    out = dict(results[0], rows=list(results[0]["rows"]), timing=dict(results[0]["timing"]))
+    for r in results[1:]:
+        new = [p for p in r["timing"] if p not in out["timing"]]
+        out["rows"] += [row for row in r["rows"] if row["policy"] in new]
+        out["timing"].update({p: r["timing"][p] for p in new})
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
     with open(args.heads) as f:
         heads = json.load(f)
-    with open(args.eval) as f:
-        results = json.load(f)
+    runs = []
+    for path in args.eval:
+        with open(path) as f:
+            runs.append(json.load(f))
+    results = merged(runs)
     md, data = report(heads, results)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".md", "w") as f:
