@@ -31,10 +31,10 @@ import numpy as np
 from jax import lax
 
 from attn import _checks
+from attn._grad import with_reference_gradient
 from attn.block_sparse import reference
 from attn.block_sparse.triton import block_lists
 from attn.dense import mosaic as dense_mosaic
-from attn.dense.triton_paged import with_reference_gradient
 
 _BLOCK = 128  # tokens a block = rows a program = keys a step
 

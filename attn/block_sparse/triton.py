@@ -48,7 +48,7 @@ past `q_len` give 0 / -inf.
 
 Supports: any group size, `H` / `Hv` up to 256 (padded and masked), bf16 / f16 / f32, block sizes
 that are powers of two >= 16, `q_len <= kv_len` or not. The kernel is forward only; the public op
-takes its gradient from the reference (`attn.dense.triton_paged.with_reference_gradient`).
+takes its gradient from the reference (`attn._grad.with_reference_gradient`).
 Not supported (NotImplementedError): head dims over 256, block sizes under 16.
 """
 
@@ -62,10 +62,10 @@ import triton
 import triton.language as tl
 
 from attn import _checks
+from attn._grad import with_reference_gradient
 from attn._harness import on_gpu, triton_call
 from attn.block_sparse import reference
 from attn.dense.triton import _load, _masked_softmax_step, _whole_softmax_step
-from attn.dense.triton_paged import with_reference_gradient
 
 LOG2E = math.log2(math.e)
 _MAX_HEAD_DIM = 256

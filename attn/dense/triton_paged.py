@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from attn import _checks
+from attn._grad import with_reference_gradient
 from attn._harness import triton_call
 from attn.dense import reference
 from attn.dense.triton import _key_tiles, _masked_softmax_step, _visible
@@ -383,26 +384,3 @@ def paged_prefill_attention(q, k_pages, v_pages, block_tables, q_offset, kv_leng
         config = default_config(q.shape[-1], v_pages.shape[-1])
     return _paged_prefill(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sinks,
                           k_scales, v_scales, scale=scale, config=config)
-
-
-def with_reference_gradient(kernel_fn, reference_fn):
-    """`kernel_fn` forward, the VJP of `reference_fn` (same arguments, same outputs) backward.
-
-    Forward-only kernels stay differentiable this way (`implementation="auto"` picks them on a
-    GPU): the backward recomputes the pure-jnp reference, so it costs the reference's memory.
-    Integer and bool arguments get `float0` cotangents, as `jax.vjp` gives them.
-    """
-
-    @jax.custom_vjp
-    def fn(*args):
-        return kernel_fn(*args)
-
-    def fwd(*args):
-        return kernel_fn(*args), args
-
-    def bwd(args, cotangents):
-        _, vjp = jax.vjp(reference_fn, *args)
-        return vjp(cotangents)
-
-    fn.defvjp(fwd, bwd)
-    return fn
