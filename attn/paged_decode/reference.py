@@ -30,6 +30,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from attn.merge import reference as merge_reference
 
+_HIGHEST = jax.lax.Precision.HIGHEST  # an oracle must not run its float32 matmuls in TF32
+
 
 def per_head(value: int | Array | None, num_kv_heads: int) -> Int[Array, "*B K"]:
     """Window / sinks argument as a `[K]` int32 array, or `[B, K]` (per row and head) as given;
@@ -163,7 +165,7 @@ def paged_decode_partials(
     mask = visible[:, :, None, None, :] & in_split[:, None, :, None, :]  # [B, K, J, 1, S]
 
     qg = q.astype(jnp.float32).reshape(batch, num_kv, group, head_dim)  # n = k * G + g
-    scores = jnp.einsum("BKGH,BKSH->BKGS", qg, k) * scale
+    scores = jnp.einsum("BKGH,BKSH->BKGS", qg, k, precision=_HIGHEST) * scale
     scores = jnp.where(mask, scores[:, :, None], -jnp.inf)  # [B, K, J, G, S]
     # "Sees nothing" comes from the mask alone: a NaN score must make NaN, not an empty row.
     sees = jnp.any(mask, axis=-1)  # [B, K, J, 1]
@@ -172,7 +174,7 @@ def paged_decode_partials(
     p = jnp.exp(scores - m)  # exactly 0 where masked
     l = jnp.sum(p, axis=-1)  # [B, K, J, G]
     safe_l = jnp.where(sees, l, 1.0)
-    o = jnp.einsum("BKJGS,BKSV->BKJGV", p, v) / safe_l[..., None]
+    o = jnp.einsum("BKJGS,BKSV->BKJGV", p, v, precision=_HIGHEST) / safe_l[..., None]
     lse = jnp.where(sees, m[..., 0] + jnp.log(safe_l), -jnp.inf)
     o = o.transpose(0, 1, 3, 2, 4).reshape(batch, num_heads, num_splits, -1)
     lse = lse.transpose(0, 1, 3, 2).reshape(batch, num_heads, num_splits)
