@@ -251,18 +251,15 @@ def sweep(gdn_configs, conv_configs) -> None:
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)
     args = (bf(q), bf(k), jnp.asarray(g), jnp.asarray(beta), jnp.asarray(slot_ids))
     state_bytes = 2 * sh["batch"] * sh["nv"] * sh["h"] * sh["hv"] * 4
-    for block_hv, warps, *flags in gdn_configs:
-        early, stream = (bool(f) for f in (flags + [0, 0])[:2])
-        cfg = gdn_triton.Config(block_hv=block_hv, num_warps=warps, early_state=early,
-                                stream_state=stream)
+    for block_hv, warps in gdn_configs:
+        cfg = gdn_triton.Config(block_hv=block_hv, num_warps=warps)
         try:
             ms, _ = _time_donated(_stepper(_gdn_step("triton", cfg)), jnp.asarray(pool_np),
                                   bf(v), *args)
         except Exception as e:
             print(f"gdn {cfg}: {str(e).splitlines()[0][:100]}", flush=True)
             continue
-        print(f"gdn  block_hv={block_hv:<4} w{warps} early={early:d} stream={stream:d}  "
-              f"{ms * 1e3:8.2f} us  "
+        print(f"gdn  block_hv={block_hv:<4} w{warps}  {ms * 1e3:8.2f} us  "
               f"{state_bytes / ms / 1e9:6.3f} TB/s", flush=True)
     b, c, w = CONV_SHAPE["batch"], CONV_SHAPE["channels"], CONV_SHAPE["width"]
     x = jnp.asarray(rng.standard_normal((b, c), np.float32), jnp.bfloat16)
@@ -288,7 +285,7 @@ def main(argv=None):
     parser.add_argument("--sweep", action="store_true", help="time launch configs, write nothing")
     parser.add_argument("--gdn-configs", type=_pairs,
                         default="8-1,8-2,16-1,16-2,16-4,32-2,32-4,32-8,64-4,64-8,128-8",
-                        help="block_hv-warps[-early_state-stream_state], comma separated")
+                        help="block_hv-warps, comma separated")
     parser.add_argument("--conv-configs", type=_pairs, default="64-2,128-4,256-4,512-4,1024-8",
                         help="block_c-warps, comma separated")
     parser.add_argument("--no-anchors", action="store_true")

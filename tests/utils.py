@@ -165,3 +165,79 @@ def grid(**axes) -> list[dict]:
     """Cartesian product of named axes, as a list of dicts (for parametrize with ids)."""
     keys = list(axes)
     return [dict(zip(keys, values)) for values in itertools.product(*axes.values())]
+
+
+# Compiled for sm_90a in a fresh process: the test process switched Triton to its interpreter (no
+# GPU), and Triton decides at import time. Reads one JSON job list on stdin, prints one JSON line a
+# job.
+_SM90_SCRIPT = r"""
+import importlib, json, os, re, subprocess, sys, tempfile
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+for job in json.load(sys.stdin):
+    module, name = job["kernel"].split(":")
+    fn = getattr(importlib.import_module(module), name)
+    consts = job["constexprs"]
+    sig = {n: "constexpr" if n in consts else job["pointers"][n] for n in fn.arg_names}
+    # jax-triton declares every array argument 16-byte aligned (`tt.divisibility = 16`); without
+    # it loads do not vectorise and loops are not software-pipelined.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=job["num_warps"], num_stages=job["num_stages"]))
+    ptx = k.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                         capture_output=True, text=True, check=True).stderr
+    os.unlink(f.name)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    print(json.dumps(dict(
+        name=name, registers=int(re.search(r"Used (\d+) registers", out).group(1)),
+        spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)),
+        shared=k.metadata.shared, count={s: ptx.count(s) for s in job.get("count", ())})),
+        flush=True)
+"""
+
+
+def compile_for_sm90(jobs: Sequence[dict]) -> list[dict]:
+    """Compile Triton kernels for Hopper (sm_90a) on any machine: Triton's compiler and its
+    bundled ptxas, no GPU. The interpreter runs Python semantics; the compiler traces more (e.g.
+    the statements after a constexpr-taken `return`) and allocates registers and shared memory.
+
+    Args:
+      jobs: one dict a kernel: `kernel` (`"module:function"`), `pointers` (the Triton pointer
+        type of every argument not in `constexprs`, e.g. `"*bf16"`), `constexprs`, `num_warps`,
+        `num_stages`, optional `count` (PTX substrings to count, e.g. `"tanh.approx.f32"`).
+
+    Returns:
+      Per job: `name`, `registers`, `spill_stores` / `spill_loads` (bytes), `shared` (bytes of
+      shared memory), `count` (substring -> occurrences in the PTX).
+
+    Skips the calling test where Triton's bundled ptxas is missing.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
+                                       "bin", "ptxas")):
+        pytest.skip("Triton's bundled ptxas is missing")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    done = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], input=json.dumps(list(jobs)),
+                          env=env, cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == len(jobs), done.stdout
+    return results

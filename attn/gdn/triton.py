@@ -34,10 +34,6 @@ class Config:
 
     block_hv: int = 32
     num_warps: int = 4
-    # Issue the state tile's load first (before q, k, v, g, beta), so its latency overlaps theirs.
-    early_state: bool = False
-    # Stream the state (`evict_first` on its load and store: it is touched once per step).
-    stream_state: bool = False
 
     def __post_init__(self):
         if self.block_hv < 4 or self.block_hv & (self.block_hv - 1):
@@ -47,10 +43,9 @@ class Config:
 
 
 def default_config(hv: int) -> Config:
-    """64 value features per program (a 32 KB fp32 state tile at H = 128) and 4 warps: the best of
-    8 launch configs on the H100 at B64 / Nv32 / H = Hv = 128 (105.6 us, 2.54 TB/s of state
-    traffic; 32 features: 113 us; 128: 127 us; benchmarks/NOTES.md).
-    """
+    """64 value features per program (a 32 KB fp32 state tile at H = 128) and 4 warps: the best
+    launch on the H100 at B64 / Nv32 / H = Hv = 128, 0.84 of the copy bandwidth on the state
+    traffic (benchmarks/decode.md; 32 or 128 features are 7-20% slower)."""
     return Config(block_hv=min(64, max(4, triton.next_power_of_2(hv))), num_warps=4)
 
 
@@ -76,8 +71,6 @@ def _gdn_decode_kernel(
     SLOTS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
-    EARLY: tl.constexpr = False,
-    STREAM: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -94,9 +87,6 @@ def _gdn_decode_kernel(
     mask_v = offs_v < HV
     tile = (slot.to(tl.int64) * NV + head) * (H * HV) + offs_h[:, None] * HV + offs_v[None, :]
     mask = mask_h[:, None] & mask_v[None, :]
-    policy: tl.constexpr = "evict_first" if STREAM else ""
-    if EARLY:
-        s = tl.load(pool_ptr + tile, mask=mask & carry, other=0.0, eviction_policy=policy)
 
     qk_row = (b * NK + kh) * H
     q = tl.load(q_ptr + qk_row + offs_h, mask=mask_h, other=0.0).to(tl.float32)  # [BLOCK_H]
@@ -111,8 +101,7 @@ def _gdn_decode_kernel(
     g = tl.load(g_ptr + b * NV + head).to(tl.float32)
     beta = tl.load(beta_ptr + b * NV + head).to(tl.float32)
 
-    if not EARLY:
-        s = tl.load(pool_ptr + tile, mask=mask & carry, other=0.0, eviction_policy=policy)
+    s = tl.load(pool_ptr + tile, mask=mask & carry, other=0.0)
     s = s.to(tl.float32) * tl.exp(g)  # [BLOCK_H, BLOCK_HV]
     u = beta * (v - tl.sum(s * k[:, None], axis=0))  # [BLOCK_HV]
     s = s + k[:, None] * u[None, :]
@@ -120,8 +109,7 @@ def _gdn_decode_kernel(
 
     o = tl.where(live, o, 0.0)  # padding rows give exactly 0, even from NaN inputs
     tl.store(o_ptr + (b * NV + head) * HV + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
-    tl.store(new_pool_ptr + tile, s.to(new_pool_ptr.dtype.element_ty), mask=mask & live,
-             eviction_policy=policy)
+    tl.store(new_pool_ptr + tile, s.to(new_pool_ptr.dtype.element_ty), mask=mask & live)
 
 
 def gdn_decode_pool(q, k, v, g, beta, ssm_pool, slot_ids, *, has_initial_state=None, scale=None,
@@ -177,7 +165,5 @@ def gdn_decode_pool(q, k, v, g, beta, ssm_pool, slot_ids, *, has_initial_state=N
         SLOTS=slots,
         BLOCK_H=max(4, triton.next_power_of_2(h)),
         BLOCK_HV=block_hv,
-        EARLY=config.early_state,
-        STREAM=config.stream_state,
     )
     return o[:, None], new_pool
