@@ -1,4 +1,4 @@
-"""Ring attention: K/V blocks travel around a mesh axis while each device attends to the one it holds.
+"""Ring attention: K/V blocks travel around a mesh axis; each device attends to the one it holds.
 
 Runs inside `shard_map` on the zig-zag layout (`_layout.py`): device `d` holds query / key / value
 chunks `a = d` and `b = 2D - 1 - d` of `C` tokens each. At step `r = 0 .. D-1` it holds the K/V
