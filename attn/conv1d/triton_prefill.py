@@ -1,33 +1,21 @@
 """Triton causal depthwise conv1d prefill (state in, state out, packed sequences).
 
-Three kernels (the main one in two variants, `Config.rows` picks):
+Three kernels:
 
-* `_conv_prefill_kernel` (`Config(rows=False)`: the plain form, kept as the bitwise twin the row
-  kernel is tested against on CPU and GPU, and for tile shapes the row kernel's registers do not
-  fit; always the exact SiLU: it ignores `fast_silu`), grid `(cdiv(tokens, BLOCK_T), cdiv(C,
-  BLOCK_C))` (with `channels_fastest` one axis, channel blocks fastest): one program computes a
-  `[BLOCK_T, BLOCK_C]` tile of `y` over the flattened token axis (`B · T` rows, or the packed row
-  with `cu_seqlens`). Tap j reads the tile shifted back by `W - 1 - j` tokens: the
-  first of the W loads brings the `W - 1` halo rows before the tile, the others hit L1 / L2, so
-  DRAM sees each input about once (memory-bound: `x` in, `y` out). A tap that reaches before its
-  token's own sequence start reads zero, so tiles may straddle sequence boundaries freely.
-* `_conv_prefill_rows_kernel` (default), same grid and contract: one program owns
-  `BLOCK_T` consecutive tokens x `BLOCK_C` channels and walks them row by row. It first issues
-  every load it needs, each a 1-D `[BLOCK_C]` row (the `W - 1` halo rows before the block, then
-  its `BLOCK_T` rows: all independent, all in flight before the first store), then for each row
-  computes `y[t] = sum_j w_j x[t - (W - 1 - j)]` from the rows held in registers (a tuple indexed
-  at compile time) and stores it. Each input row is loaded once per program (halo
-  `(W - 1) / BLOCK_T`), against W overlapping tile loads in the tile variant. The zero fill and
-  the float32 order of operations are the tile kernel's (taps j = 0..W-1, then the bias, then
-  SiLU; a tap before its token's sequence start contributes `+0.0 * w_j`), so with the exact SiLU
-  `y` is bitwise the tile kernel's, and the state kernels are shared. Any W >= 2 (the tuple holds
-  `BLOCK_T + W - 1` rows: registers grow with `BLOCK_T x BLOCK_C / num_warps`; ptxas for sm_90
-  spills from 64 x 512 over 4 warps, 64 x 1024 over 8). The default (`Config()`): 8 tokens x
-  512 channels over 4 warps, the select-free split, the tanh SiLU (`fast_silu`) and programs
-  channel blocks fastest (`channels_fastest`): H100, T32K C8192 W4 bf16 SiLU state, 0.895-0.904
-  of copy bandwidth over four measurements (session 6; figures in `Config`); ptxas for sm_90 (no
-  bias, no varlen): 64 registers, no spills (`tests/conv1d/test_fast_silu.py`). Exact SiLU is
-  `Config(fast_silu=False)`, bitwise the tile kernel's `y`.
+* `_conv_prefill_kernel`, a 1-D grid of `cdiv(tokens, BLOCK_T) x cdiv(C, BLOCK_C)` programs,
+  channel blocks fastest (the programs in flight read and write whole `C`-wide rows, contiguous
+  memory). One program owns `BLOCK_T` consecutive tokens (of the flattened `B · T` rows, or the
+  packed row with `cu_seqlens`) x `BLOCK_C` channels. It first issues every load it needs, each a
+  1-D `[BLOCK_C]` row (the `W - 1` halo rows before the block, then its `BLOCK_T` rows: all
+  independent, all in flight before the first store), then for each row computes
+  `y[t] = sum_j w_j x[t - (W - 1 - j)]` from the rows held in registers (a tuple indexed at compile
+  time) and stores it with `evict_first` (y does not push the input's halo rows out of L2). Each
+  input row is loaded once per program (halo `(W - 1) / BLOCK_T`). A tap that reaches before its
+  token's own sequence start reads zero (a select, so a NaN in the previous sequence stays out);
+  blocks that hold no sequence start after their first halo row (nearly all) run a select-free
+  copy of the row loop. Order of operations: taps j = 0..W-1 in float32, then the bias, then
+  SiLU. Any W >= 2 (the tuple holds `BLOCK_T + W - 1` rows: registers grow with
+  `BLOCK_T x BLOCK_C / num_warps`; ptxas for sm_90 spills from 64 x 512 over 4 warps).
 * `_conv_state_fixup_kernel`, grid `(Ns, cdiv(C, BLOCK_C))`, only with an initial state:
   rewrites `y` of the first `W - 1` tokens of each sequence, whose taps reach into the state, so
   the main kernel reads no state (a run-time branch there for it measured ~1% slower on the
@@ -35,11 +23,9 @@ Three kernels (the main one in two variants, `Config.rows` picks):
 * `_conv_final_state_kernel`, grid `(Ns, cdiv(C, BLOCK_C))`: the last `W - 1` raw inputs of
   `concat(state, x)` per sequence (part of the old state when a sequence is shorter than `W - 1`).
 
-A walking form of the row kernel (one program per segment of tokens, walking it in groups of rows
-with the halo carried in registers and the next group's loads issued before the current group's
-stores) was tried and measured slower than the row kernel on the H100 in every config (0.817-0.853
-of copy bandwidth, 0.850 at 8 x 512 with segments of 512, fast SiLU, channels fastest; session 6):
-removed, its history in git.
+`Config()` (8 tokens x 512 channels over 4 warps, the tanh SiLU) moves 0.90 of the copy bandwidth
+on an H100 at T32K C8192 W4 bf16 with SiLU and a state (benchmarks/prefill.md); ptxas for sm_90:
+64 registers, no spills.
 
 Numerics follow `attn.conv1d.reference.causal_conv1d`: the initial state is rounded to x's dtype
 first (XLA, before the call), products and the sum over taps are float32 (taps reading x first,
@@ -47,14 +33,14 @@ in tap order, then those reading the state, then the bias: the first W - 1 token
 may differ from the reference in the last float32 bit), SiLU in float32, `y` and the final state
 in x's dtype (the final state is raw inputs: bitwise equal).
 
-`Config(fast_silu=True)` (the default; row kernel, bf16 / f16 outputs): SiLU as `u + u tanh(u)`,
-`u = a / 2`, through one `tanh.approx.f32` (ptxas for sm_90: 1 MUFU + 1 FMUL + 1 FFMA an element,
-against ~12 instructions and 2 MUFU for `a * sigmoid(a)`; the whole row loop from ~23 to ~13
-instructions an element at W4). Its error: `tanh.approx.f32`'s, about 2^-11 (PTX ISA), scaled by
-`|u|`: at most ~`|a| 2^-12` absolute, relative ~2^-11 for `a >= 0` (below bf16's 2^-9 rounding);
-for `a << 0`, where `1 + tanh(u)` cancels, the absolute bound holds but not the relative one (y
-is then tiny). The state fixup kernel keeps the exact SiLU, and so do float32 outputs and the
-tile kernel: `Config(fast_silu=False)` for the exact SiLU everywhere.
+`Config(fast_silu=True)` (the default; bf16 / f16 outputs): SiLU as `u + u tanh(u)`, `u = a / 2`,
+through one `tanh.approx.f32` (ptxas for sm_90: 1 MUFU + 1 FMUL + 1 FFMA an element, against ~12
+instructions and 2 MUFU for `a * sigmoid(a)`; the whole row loop from ~23 to ~13 instructions an
+element at W4). Its error: `tanh.approx.f32`'s, about 2^-11 (PTX ISA), scaled by `|u|`: at most
+~`|a| 2^-12` absolute, relative ~2^-11 for `a >= 0` (below bf16's 2^-9 rounding); for `a << 0`,
+where `1 + tanh(u)` cancels, the absolute bound holds but not the relative one (y is then tiny).
+The state fixup kernel keeps the exact SiLU, and so do float32 outputs: `Config(fast_silu=False)`
+for the exact SiLU everywhere.
 
 Supports: any C and W >= 2 (W padded to a power of two and masked in the state kernel), optional
 bias and initial state, SiLU or none, any float dtype, varlen via `cu_seqlens` (zero-length
@@ -69,58 +55,27 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from attn._grad import with_reference_gradient
 from attn._harness import on_gpu, triton_call
 from attn.conv1d import reference
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-    """Launch configuration: token rows and channels per program, warps per program.
+    """Launch configuration: token rows and channels per program, warps per program, and the
+    SiLU's form.
 
-    H100 sweep (`experiments.sweep_prefill_kernels conv1d`, T32K, C = 8192, W4, bf16, SiLU, state;
-    fractions of the copy bandwidth, 3.02 TB/s in session 6). The default: the row kernel with the
-    select-free split, 8 tokens x 512 channels, 4 warps, the tanh SiLU, programs channel blocks
-    fastest: 0.895-0.904 over four measurements (session 6: sweeps in runs 4 and 7, `bench_prefill`
-    in runs 6 and 7), varlen-4 0.80-0.83. 8 x 1024 over 8 warps measured 0.920 in run 7's sweep but
-    0.892 (varlen 0.74) in run 8's bench on another machine start: not taken. Also measured (run 7):
-    8 x 256 over 2 warps 0.910, 4 x 512 over 4 0.903, 8 x 512 over 8 0.881, 16 x 512 0.878, 4 x 1024
-    over 4 0.568; run 4: 16 x 1024 0.892, 32 x 1024 over 8 warps 0.886, 8 x 1024 over 4 0.858; the
-    exact SiLU with channels fastest: 16 x 1024 0.799, 32 x 1024 over 8 warps 0.846; the tile kernel
-    at 8 x 512 channels fastest 0.802. Token blocks fastest (the 2-D grid), session 6 runs 2-4: the
-    row kernel at 16 x 1024 split 0.809-0.842 (the previous default; sessions 4 and 5: 0.822 against
-    the tile kernel's 0.782 at 8 x 512), with the tanh SiLU 0.841-0.869, 32 x 1024 over 8 warps
-    0.872. The row kernel's loads and stores alone (`y = x`, the sweep's `copy-T-C-warps`) bound it:
-    token blocks fastest 0.846-0.873, channel blocks fastest 0.898 (16 x 1024), 0.909-0.919 (8 x
-    1024 and 8 x 512).
+    The default, 8 x 512 over 4 warps with the tanh SiLU, is the fastest of an H100 sweep (T32K,
+    C = 8192, W4, bf16, SiLU, state): 0.90 of the copy bandwidth, the kernel's loads and stores
+    alone (`y = x` in the same order) 0.91.
     """
 
     block_t: int = 8
     block_c: int = 512
     num_warps: int = 4
-    # Store `y` with `evict_first` (streaming: y does not push the input's halo rows out of L2).
-    stream_store: bool = True
-    # The row-walking main kernel (`_conv_prefill_rows_kernel`) instead of the tile kernel: with
-    # the exact SiLU (`fast_silu=False`) the same results bit for bit. Each program holds
-    # `BLOCK_T + W - 1` rows of `BLOCK_C / (32 * num_warps)` elements per thread in registers
-    # (e.g. 1024 channels over 4 warps: 16 bytes a row per lane, 35 rows at BLOCK_T = 32).
-    rows: bool = True
-    # Rows kernel only: blocks that hold no sequence start (nearly all) skip the zero-fill selects
-    # (3 of ~26 instructions an element at W4 with SiLU) through a run-time branch to a second
-    # copy of the row loop (more registers: ptxas for sm_90 spills at 16 x 1024 over 4 warps).
-    rows_split: bool = True
-    # SiLU as `u + u * tanh(u)`, `u = a / 2`, through one `tanh.approx.f32` (row kernel, bf16 /
-    # f16 outputs; float32 outputs and the tile kernel keep the exact form). Error: module
-    # docstring. H100 (session 6): 16 x 1024 split 0.809-0.842 of copy bandwidth exact, 0.841-0.869
-    # with it; channels fastest, 16 x 1024 0.799 exact against 0.892. On; `False` for the exact
-    # SiLU (the row kernel's `y` then bitwise the tile kernel's).
+    # SiLU through one `tanh.approx.f32` (bf16 / f16 outputs; float32 outputs keep the exact
+    # form; error in the module docstring); `False` for the exact SiLU.
     fast_silu: bool = True
-    # Programs ordered channel blocks fastest (a 1-D grid): the programs in flight read and write
-    # whole `C`-wide rows, contiguous memory, instead of one `block_c` slice of many rows (with
-    # token blocks fastest, `block_c` of every `C` channels: 2 of each 16 KB row at C = 8192
-    # bf16). Same results bit for bit (the order of programs only). H100 (session 6): the copy
-    # alone at 16 x 1024 0.846-0.873 of copy bandwidth token blocks fastest, 0.898 channel blocks
-    # fastest; the row kernel at 8 x 512 split fast 0.895-0.904 (`Config`'s figures). On.
-    channels_fastest: bool = True
 
     def __post_init__(self):
         if self.block_t < 1 or self.block_t & (self.block_t - 1):
@@ -129,19 +84,6 @@ class Config:
             raise ValueError(f"{self.block_c=} must be a power of two >= 16")
         if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
             raise ValueError(f"{self.num_warps=} must be a power of two >= 1")
-
-
-@triton.jit
-def _block_ids(C_FASTEST: tl.constexpr, NC: tl.constexpr):
-    """(token block, channel block) of this program: grid `(token blocks, NC)`, or with
-    `C_FASTEST` one axis of `token blocks x NC` programs, channel blocks fastest."""
-    if C_FASTEST:
-        tb = tl.program_id(0) // NC
-        cb = tl.program_id(0) % NC
-    else:
-        tb = tl.program_id(0)
-        cb = tl.program_id(1)
-    return tb, cb
 
 
 @triton.jit
@@ -161,68 +103,14 @@ def _conv_prefill_kernel(
     SILU: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    STREAM_STORE: tl.constexpr,
-    C_FASTEST: tl.constexpr = False,  # a 1-D grid, channel blocks fastest
-    NC: tl.constexpr = 1,  # channel blocks (C_FASTEST)
-):
-    tb, cb = _block_ids(C_FASTEST, NC)
-    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
-    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
-    mask_t = offs_t < N_TOK
-    mask_c = offs_c < C
-    if VARLEN:
-        seq = tl.load(seq_ptr + offs_t, mask=mask_t, other=0)  # [BLOCK_T]
-        start = tl.load(cu_ptr + seq, mask=mask_t, other=0)
-    else:
-        seq = offs_t // T_ROW
-        start = seq * T_ROW
-    pos = offs_t - start  # position inside its own sequence
-    rows = offs_t.to(tl.int64) * C
-
-    acc = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
-    for j in tl.static_range(W):
-        back = W - 1 - j  # tap j reads the input `back` tokens before the current one
-        xj = tl.load(  # [BLOCK_T, BLOCK_C]; taps before the sequence's start read 0 here
-            x_ptr + (rows - back * C)[:, None] + offs_c[None, :],
-            mask=(mask_t & (pos >= back))[:, None] & mask_c[None, :], other=0.0,
-        )
-        wj = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)  # [BLOCK_C]
-        acc += xj.to(tl.float32) * wj[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
-    tl.store(y_ptr + rows[:, None] + offs_c[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mask_t[:, None] & mask_c[None, :],
-             eviction_policy="evict_first" if STREAM_STORE else "")
-
-
-@triton.jit
-def _conv_prefill_rows_kernel(
-    x_ptr,  # [N_TOK, C] flattened tokens
-    w_ptr,  # [C, W]
-    bias_ptr,  # [C] (a dummy unless HAS_BIAS)
-    seq_ptr,  # [N_TOK] int32 sequence of each token (a dummy unless VARLEN)
-    cu_ptr,  # [Ns + 1] int32 sequence starts (a dummy unless VARLEN)
-    y_ptr,  # [N_TOK, C]
-    N_TOK: tl.constexpr,
-    T_ROW: tl.constexpr,  # tokens per batch row without VARLEN
-    C: tl.constexpr,
-    W: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    VARLEN: tl.constexpr,
-    SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    STREAM_STORE: tl.constexpr,
-    SPLIT: tl.constexpr,  # a select-free path for blocks without a sequence start
     FAST_SILU: tl.constexpr,  # SiLU through `tanh` (`_fast_silu`)
     HW_TANH: tl.constexpr,  # ... as `tanh.approx.f32` (compiled), else exact (interpreter)
-    C_FASTEST: tl.constexpr = False,  # a 1-D grid, channel blocks fastest
-    NC: tl.constexpr = 1,  # channel blocks (C_FASTEST)
+    NC: tl.constexpr,  # channel blocks
 ):
-    """`_conv_prefill_kernel`'s tile, row by row from a register window (module docstring)."""
-    tb, cb = _block_ids(C_FASTEST, NC)
+    """`BLOCK_T` tokens x `BLOCK_C` channels, row by row from a register window (module
+    docstring)."""
+    tb = tl.program_id(0) // NC  # channel blocks fastest
+    cb = tl.program_id(0) % NC
     t0 = tb * BLOCK_T
     offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
     mask_c = offs_c < C
@@ -253,34 +141,29 @@ def _conv_prefill_rows_kernel(
         bias = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
     else:
         bias = tl.zeros((BLOCK_C,), tl.float32)  # unused
-    if SPLIT:
-        # No sequence starts after the block's first halo row (the last row's sequence began at
-        # or before it): no tap needs the zero fill, a select-free copy of the rows runs. Every
-        # block but a row's first without VARLEN. Two copies of the code: more registers.
-        last = tl.minimum(t0 + BLOCK_T, N_TOK) - 1
-        if VARLEN:
-            start_last = tl.load(cu_ptr + tl.load(seq_ptr + last))
-        else:
-            start_last = last // T_ROW * T_ROW
-        if start_last <= t0 - (W - 1):
-            _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, N_TOK - t0, C, W, HAS_BIAS, SILU,
-                           BLOCK_T, BLOCK_C, STREAM_STORE, False, FAST_SILU, HW_TANH)
-        else:
-            _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, N_TOK - t0, C, W, HAS_BIAS, SILU,
-                           BLOCK_T, BLOCK_C, STREAM_STORE, True, FAST_SILU, HW_TANH)
-    else:  # every tap through a select (the zero fill)
+    # No sequence starts after the block's first halo row (the last row's sequence began at or
+    # before it): no tap needs the zero fill, a select-free copy of the rows runs. Every block but
+    # a row's first without VARLEN. Two copies of the code: more registers.
+    last = tl.minimum(t0 + BLOCK_T, N_TOK) - 1
+    if VARLEN:
+        start_last = tl.load(cu_ptr + tl.load(seq_ptr + last))
+    else:
+        start_last = last // T_ROW * T_ROW
+    if start_last <= t0 - (W - 1):
         _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, N_TOK - t0, C, W, HAS_BIAS, SILU,
-                       BLOCK_T, BLOCK_C, STREAM_STORE, True, FAST_SILU, HW_TANH)
+                       BLOCK_T, BLOCK_C, False, FAST_SILU, HW_TANH)
+    else:
+        _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, N_TOK - t0, C, W, HAS_BIAS, SILU,
+                       BLOCK_T, BLOCK_C, True, FAST_SILU, HW_TANH)
 
 
 @triton.jit
 def _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, n_left, C: tl.constexpr, W: tl.constexpr,
                    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_C: tl.constexpr, STREAM_STORE: tl.constexpr, ZERO_FILL: tl.constexpr,
-                   FAST_SILU: tl.constexpr, HW_TANH: tl.constexpr):
-    """Rows `y[t0 + t]` of `_conv_prefill_rows_kernel` from its register window `xs`; with
-    `ZERO_FILL`, taps before their token's sequence start read 0 (the tile kernel's masked
-    load)."""
+                   BLOCK_C: tl.constexpr, ZERO_FILL: tl.constexpr, FAST_SILU: tl.constexpr,
+                   HW_TANH: tl.constexpr):
+    """Rows `y[t0 + t]` of `_conv_prefill_kernel` from its register window `xs`; with
+    `ZERO_FILL`, taps before their token's sequence start read 0."""
     for t in tl.static_range(BLOCK_T):
         acc = tl.zeros((BLOCK_C,), tl.float32)
         for j in tl.static_range(W):
@@ -297,7 +180,7 @@ def _conv_rows_out(xs, pos, ws, bias, y_base, mask_c, n_left, C: tl.constexpr, W
             else:
                 acc = acc * tl.sigmoid(acc)
         tl.store(y_base + t * C, acc.to(y_base.dtype.element_ty), mask=mask_c & (t < n_left),
-                 eviction_policy="evict_first" if STREAM_STORE else "")
+                 eviction_policy="evict_first")
 
 
 @triton.jit
@@ -422,16 +305,8 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation=None, 
         return reference.causal_conv1d(x, weight, bias, initial_state=h0, activation=activation,
                                        cu_seqlens=cu)
 
-    conv = jax.custom_vjp(kernel_fn)
-
-    def fwd(*args):
-        return kernel_fn(*args), args
-
-    def bwd(args, cotangents):
-        return jax.vjp(reference_fn, *args)[1](cotangents)
-
-    conv.defvjp(fwd, bwd)
-    return conv(x, weight, bias, initial_state, cu_seqlens)
+    return with_reference_gradient(kernel_fn, reference_fn)(x, weight, bias, initial_state,
+                                                            cu_seqlens)
 
 
 def _forward(x, weight, bias, initial_state, cu_seqlens, *, activation, config):
@@ -454,23 +329,17 @@ def _forward(x, weight, bias, initial_state, cu_seqlens, *, activation, config):
     block_c = min(config.block_c, max(16, triton.next_power_of_2(c)))
     block_t = min(config.block_t, triton.next_power_of_2(n_tok))
     bias_arg = jnp.zeros((1,), jnp.float32) if bias is None else bias
-    # Kernel-specific launch: the tile kernel or the row kernel.
-    kernel, rows_args = _conv_prefill_kernel, {}
     nc = triton.cdiv(c, block_c)
-    if config.rows:
-        kernel = _conv_prefill_rows_kernel
-        fast = config.fast_silu and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
-        rows_args = dict(SPLIT=config.rows_split, FAST_SILU=fast, HW_TANH=on_gpu())
     y = triton_call(
         xf, weight, bias_arg, seq, cu,
-        kernel=kernel,
+        kernel=_conv_prefill_kernel,
         out_shape=jax.ShapeDtypeStruct((n_tok, c), x.dtype),
-        grid=((triton.cdiv(n_tok, block_t) * nc,) if config.channels_fastest
-              else (triton.cdiv(n_tok, block_t), nc)),
+        grid=(triton.cdiv(n_tok, block_t) * nc,),
         num_warps=config.num_warps,
         N_TOK=n_tok, T_ROW=t, C=c, W=w, HAS_BIAS=bias is not None, VARLEN=cu_seqlens is not None,
         SILU=activation == "silu", BLOCK_T=block_t, BLOCK_C=block_c,
-        STREAM_STORE=config.stream_store, C_FASTEST=config.channels_fastest, NC=nc, **rows_args,
+        FAST_SILU=config.fast_silu and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16),
+        HW_TANH=on_gpu(), NC=nc,
     )
     if has_state:
         y = triton_call(

@@ -6,10 +6,14 @@ reference on the clean pool, the live slots its new states, and every other slot
 bitwise unchanged.
 
 Prefill kernel: the edge lengths around W and the 64-token tiles, with and without a state,
-f32 and bf16, packed sequences; outputs start as NaN in the interpreter, so an unwritten element
-fails; final states are raw inputs and must match bitwise.
+f32 and bf16, packed sequences (empty ones, ones shorter than W), blocks on both the zero-fill
+and the select-free path; outputs start as NaN in the interpreter, so an unwritten element fails;
+final states are raw inputs and must match bitwise. The tanh SiLU (`Config.fast_silu`) is exact
+in the interpreter: there the tests check its algebra and plumbing, and the compile check (any
+machine) and the GPU tests check `tanh.approx.f32`.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -21,7 +25,7 @@ from attn import conv1d
 from attn.conv1d import reference as ref
 from attn.conv1d import triton as kernel
 from attn.conv1d import triton_prefill as prefill_kernel
-from tests.utils import assert_close, case_id, rng
+from tests.utils import assert_close, case_id, compile_for_sm90, rng
 
 SLOTS = 9
 SLOT_IDS = np.asarray([5, 0, 2, 7], np.int32)  # row 1 is padding
@@ -165,6 +169,13 @@ def test_compiled_on_gpu_at_model_dims():
 PREFILL_LENGTHS = (1, 3, 4, 5, 63, 64, 65, 200)  # shorter than, equal to, just past W; tiles of 64
 # One compile per shape instead of op-by-op dispatch: about twice as fast on the CPU.
 ref_conv = jax.jit(ref.causal_conv1d, static_argnames=("activation",))
+# The exact SiLU on blocks of 8 tokens x 16 channels.
+EXACT = prefill_kernel.Config(block_t=8, block_c=16, fast_silu=False)
+# Empty, shorter than W, block-crossing; 38 tokens in all. Sequence starts at 16 (a block's first
+# row: that block needs the zero fill, though its last row's sequence began at or before it) and
+# 25. With blocks of 8 tokens, [32, 38) of these and [16, 24) of B2-T13 hold no start: both the
+# zero-fill and the select-free path run.
+LENS = [2, 0, 1, 3, 0, 10, 9, 13]
 
 
 def _prefill_problem(gen, *, b, t, c, w=4, dtype, state, bias=True, state_dtype=None):
@@ -177,6 +188,28 @@ def _prefill_problem(gen, *, b, t, c, w=4, dtype, state, bias=True, state_dtype=
     return x, weight, bias_, h0
 
 
+def _packed_problem(gen, *, w, varlen, state, bias, dtype=jnp.bfloat16, c=40, lens=LENS, t=13):
+    """`(x, weight, bias, h0, cu_seqlens)`: the packed `lens` with varlen, else B2 rows of `t`;
+    C = 40 is not a multiple of the channel block and neither token count of the token block (a
+    masked last block on both axes)."""
+    if varlen:
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        b, t, ns = 1, int(cu[-1]), len(lens)
+        cu = jnp.asarray(cu)
+    else:
+        b, ns, cu = 2, 2, None
+    x = jnp.asarray(gen.standard_normal((b, t, c), np.float32), dtype)
+    weight = jnp.asarray(gen.standard_normal((c, w), np.float32) * 0.5, dtype)
+    bias_ = jnp.asarray(gen.standard_normal((c,), np.float32), dtype) if bias else None
+    h0 = jnp.asarray(gen.standard_normal((ns, c, w - 1), np.float32), dtype) if state else None
+    return x, weight, bias_, h0, cu
+
+
+def _run(config, x, weight, bias, h0, cu, act):
+    return prefill_kernel.causal_conv1d(x, weight, bias, initial_state=h0, activation=act,
+                                        cu_seqlens=cu, config=config)
+
+
 def _check_prefill(y, final, exp_y, exp_final):
     assert y.shape == exp_y.shape and y.dtype == exp_y.dtype
     assert final.shape == exp_final.shape and final.dtype == exp_final.dtype
@@ -186,7 +219,8 @@ def _check_prefill(y, final, exp_y, exp_final):
 
 
 # float32 is slow (~26 s of CPU CI): `test_prefill_kernel_varlen[f32]` runs the same kernel on
-# lengths 1, 3, 5, 64 and 65 with and without states, and tests/conv1d the f32 SiLU with bias.
+# lengths 1, 3, 5, 64 and 65 with and without states, and `test_prefill_kernel_block_shapes_f32`
+# the f32 SiLU with bias.
 @pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow),
                                    jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("state", [False, True], ids=["zero-state", "state"])
@@ -198,8 +232,7 @@ def test_prefill_kernel_matches_reference_on_edge_lengths(dtype, state):
         x, weight, bias, h0 = _prefill_problem(gen, b=2, t=t, c=40, dtype=dtype, state=state)
         y, final = prefill_kernel.causal_conv1d(x, weight, bias, initial_state=h0,
                                                 activation="silu", config=cfg)
-        exp_y, exp_final = ref_conv(x, weight, bias, initial_state=h0,
-                                             activation="silu")
+        exp_y, exp_final = ref_conv(x, weight, bias, initial_state=h0, activation="silu")
         _check_prefill(y, final, exp_y, exp_final)
 
 
@@ -218,9 +251,57 @@ def test_prefill_kernel_varlen(dtype):
         y, final = prefill_kernel.causal_conv1d(
             x, weight, initial_state=h0, cu_seqlens=jnp.asarray(cu),
             config=prefill_kernel.Config(block_t=32, block_c=16))
-        exp_y, exp_final = ref_conv(x, weight, initial_state=h0,
-                                             cu_seqlens=jnp.asarray(cu))
+        exp_y, exp_final = ref_conv(x, weight, initial_state=h0, cu_seqlens=jnp.asarray(cu))
         _check_prefill(y, final, exp_y, exp_final)
+
+
+# W3 is slow: W2 (a one-column state) and W4 (the models' width) bracket the tap loop, and
+# `test_prefill_kernel_varlen` runs W3. Bias without the activation is slow: bias-silu and plain
+# take both branches.
+@pytest.mark.parametrize("w", [2, pytest.param(3, marks=pytest.mark.slow), 4])
+@pytest.mark.parametrize("varlen", [False, True], ids=["B2-T13", "varlen"])
+@pytest.mark.parametrize("state", [False, True], ids=["zero-state", "state"])
+@pytest.mark.parametrize("bias,act", [(True, "silu"), (False, None),
+                                      pytest.param(True, None, marks=pytest.mark.slow)],
+                         ids=["bias-silu", "plain", "bias"])
+def test_prefill_kernel_exact_silu_zero_fill_and_select_free_blocks(w, varlen, state, bias, act):
+    """bf16, the exact SiLU, blocks of 8 tokens: blocks that hold a sequence start (taps before
+    it read zero) and blocks that hold none (the select-free copy of the row loop) against the
+    reference."""
+    args = _packed_problem(rng(), w=w, varlen=varlen, state=state, bias=bias)
+    x, weight, b, h0, cu = args
+    _check_prefill(*_run(EXACT, *args, act),
+                   *ref_conv(x, weight, b, initial_state=h0, activation=act, cu_seqlens=cu))
+
+
+@pytest.mark.parametrize("cfg", [dict(block_t=4, block_c=32), dict(block_t=16, block_c=16),
+                                 dict(block_t=2, block_c=64)],
+                         ids=lambda c: case_id(T=c["block_t"], C=c["block_c"]))
+def test_prefill_kernel_block_shapes_f32(cfg):
+    """Blocks shorter than the W - 1 halo (2 rows at W4), longer than whole sequences, one channel
+    tile wider than C; float32 inputs, W4, varlen, state, bias, SiLU."""
+    args = _packed_problem(rng(), w=4, varlen=True, state=True, bias=True, dtype=jnp.float32)
+    x, weight, b, h0, cu = args
+    _check_prefill(*_run(prefill_kernel.Config(**cfg), *args, "silu"),
+                   *ref_conv(x, weight, b, initial_state=h0, activation="silu", cu_seqlens=cu))
+
+
+def test_prefill_kernel_nan_before_a_sequence_start_stays_out():
+    """A NaN in the last token of a sequence must not reach the next one's first W - 1 outputs
+    (the zero fill is a select, not a multiply by zero); every other output as the reference's."""
+    args = list(_packed_problem(rng(), w=4, varlen=True, state=False, bias=False,
+                                dtype=jnp.float32))
+    cu = np.asarray(args[4])
+    ends = cu[1:][np.diff(cu) > 0] - 1  # the last token of every non-empty sequence
+    args[0] = args[0].at[0, ends[:-1], :].set(jnp.nan)
+    y = np.asarray(_run(EXACT, *args, None)[0])
+    starts = np.setdiff1d(cu[:-1][np.diff(cu) > 0][1:], ends)  # one-token sequences hold a NaN
+    assert starts.size and np.isfinite(y[0, starts]).all()
+    assert np.isnan(y[0, ends[:-1]]).all()
+    exp_y = np.asarray(ref_conv(args[0], args[1], cu_seqlens=args[4])[0])
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(exp_y))
+    finite = ~np.isnan(exp_y)
+    assert_close(y[finite], exp_y[finite])
 
 
 def test_prefill_kernel_f32_state_into_bf16_input_and_width_two():
@@ -231,6 +312,40 @@ def test_prefill_kernel_f32_state_into_bf16_input_and_width_two():
     y, final = prefill_kernel.causal_conv1d(x, weight, bias, initial_state=h0)
     exp_y, exp_final = ref_conv(x, weight, bias, initial_state=h0)
     _check_prefill(y, final, exp_y, exp_final)
+
+
+def test_fast_silu_is_the_default():
+    cfg = prefill_kernel.Config()
+    assert cfg.fast_silu and (cfg.block_t, cfg.block_c, cfg.num_warps) == (8, 512, 4)
+
+
+@pytest.mark.parametrize("dtype,block_t", [(jnp.bfloat16, 8), (jnp.float16, 4)],
+                         ids=["bf16-T8", "f16-T4"])
+def test_fast_silu_within_half_precision_of_the_reference(dtype, block_t):
+    """B2 rows of 45 and packed sequences (empty, shorter than W, starting mid-block), W4, state,
+    bias: y within half-precision tolerance, the final state still the exact one."""
+    gen = rng()
+    cfg = prefill_kernel.Config(block_t=block_t, block_c=16)
+    assert cfg.fast_silu
+    for varlen in (False, True):
+        x, weight, b, h0, cu = _packed_problem(gen, w=4, varlen=varlen, state=True, bias=True,
+                                               dtype=dtype, lens=LENS + [17], t=45)
+        y, final = _run(cfg, x, weight, b, h0, cu, "silu")
+        exp_y, exp_final = ref_conv(x, weight, b, initial_state=h0, activation="silu",
+                                    cu_seqlens=cu)
+        assert y.dtype == exp_y.dtype
+        assert_close(y, exp_y, dtype=dtype)
+        np.testing.assert_array_equal(_bits(final), _bits(exp_final))
+
+
+def test_fast_silu_is_ignored_for_float32():
+    """float32 outputs keep the exact SiLU: bit for bit the `fast_silu=False` results."""
+    args = _packed_problem(rng(), w=4, varlen=True, state=True, bias=True, dtype=jnp.float32)
+    fast = prefill_kernel.Config(block_t=4, block_c=16)
+    exact = dataclasses.replace(fast, fast_silu=False)
+    for a, b in zip(_run(fast, *args, "silu"), _run(exact, *args, "silu"), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 def test_prefill_public_api_and_pool_dispatch_to_the_kernel_under_jit():
@@ -265,28 +380,8 @@ def test_prefill_config_validation():
         prefill_kernel.Config(block_t=48)
     with pytest.raises(ValueError, match="block_c"):
         prefill_kernel.Config(block_c=8)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("varlen", [False, True], ids=["B1-T32K", "varlen"])
-def test_prefill_compiled_on_gpu_at_model_dims(varlen):
-    """T32K, C = 8192 (Qwen3.5's conv_dim), W4, bf16, SiLU, initial state; varlen: four packed
-    sequences (one shorter than W - 1). The default config against the compiled exact tile
-    kernel (`tests/conv1d/test_prefill_rows.py`: an XLA reference at T32K hung these tests once)."""
-    gen = rng()
-    x, weight, _, h0 = _prefill_problem(gen, b=1, t=32768, c=8192, dtype=jnp.bfloat16,
-                                        state=True, bias=False)
-    cu = None
-    if varlen:
-        cu = jnp.asarray([0, 2, 1000, 20000, 32768], jnp.int32)
-        h0 = jnp.asarray(gen.standard_normal((4, 8192, 3), np.float32), jnp.bfloat16)
-    y, final = jax.jit(lambda *a: prefill_kernel.causal_conv1d(
-        *a, initial_state=h0, activation="silu", cu_seqlens=cu))(x, weight)
-    tile = prefill_kernel.Config(block_t=8, block_c=512, rows=False, fast_silu=False,
-                                 channels_fastest=False)
-    exp_y, exp_final = jax.jit(lambda *a: prefill_kernel.causal_conv1d(
-        *a, initial_state=h0, activation="silu", cu_seqlens=cu, config=tile))(x, weight)
-    _check_prefill(y, final, exp_y, exp_final)
+    with pytest.raises(ValueError, match="num_warps"):
+        prefill_kernel.Config(num_warps=3)
 
 
 def test_prefill_kernel_gradient_is_the_references():
@@ -309,3 +404,55 @@ def test_prefill_kernel_gradient_is_the_references():
         x, weight, bias, h0)
     for a, e in zip(grads, expected, strict=True):
         assert_close(a, e)
+
+
+# Compiled for sm_90 (T32K C8192 W4 bf16 SiLU, no bias, no varlen): the default and two others,
+# `(block_t, block_c, warps, fast_silu)`.
+COMPILED = [(8, 512, 4, True), (16, 1024, 4, True), (8, 512, 4, False)]
+
+
+@pytest.mark.slow
+def test_prefill_kernel_compiles_for_sm90_without_spills():
+    """The default config and two others compiled for Hopper on any machine: no spills (ptxas
+    -v), and the fast SiLU emits `tanh.approx.f32` (absent from the exact one)."""
+    default = prefill_kernel.Config()
+    assert (default.block_t, default.block_c, default.num_warps, default.fast_silu) == COMPILED[0]
+    types = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*fp32", seq_ptr="*i32", cu_ptr="*i32",
+                 y_ptr="*bf16")
+    jobs = [dict(kernel="attn.conv1d.triton_prefill:_conv_prefill_kernel", pointers=types,
+                 constexprs=dict(N_TOK=32768, T_ROW=32768, C=8192, W=4, HAS_BIAS=False,
+                                 VARLEN=False, SILU=True, BLOCK_T=bt, BLOCK_C=bc, FAST_SILU=fast,
+                                 HW_TANH=True, NC=8192 // bc),
+                 num_warps=warps, num_stages=2, count=["tanh.approx.f32"])
+            for bt, bc, warps, fast in COMPILED]
+    for (*_, fast), r in zip(COMPILED, compile_for_sm90(jobs), strict=True):
+        assert (r["count"]["tanh.approx.f32"] > 0) == fast, r
+        assert r["spill_stores"] == 0, r
+
+
+# On the GPU: the default config, the exact SiLU and two wider blocks against the XLA reference.
+GPU_PREFILL_CONFIGS = {"default": {}, "exact-silu": dict(fast_silu=False),
+                       "16x1024w4": dict(block_t=16, block_c=1024),
+                       "32x1024w8": dict(block_t=32, block_c=1024, num_warps=8)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", GPU_PREFILL_CONFIGS.values(), ids=GPU_PREFILL_CONFIGS.keys())
+@pytest.mark.parametrize("varlen", [False, True], ids=["B1-T32K", "varlen"])
+def test_prefill_compiled_on_gpu_at_model_dims(varlen, opts):
+    """T32K, C = 8192 (Qwen3.5's conv_dim), W4, bf16, SiLU, initial state; varlen: four packed
+    sequences (one shorter than W - 1): y within bf16 tolerance of the XLA reference (the tanh
+    SiLU's 2^-11 relative error is below bf16's rounding), the final state bitwise."""
+    gen = rng()
+    x, weight, _, h0 = _prefill_problem(gen, b=1, t=32768, c=8192, dtype=jnp.bfloat16,
+                                        state=True, bias=False)
+    cu = None
+    if varlen:
+        cu = jnp.asarray([0, 2, 1000, 20000, 32768], jnp.int32)
+        h0 = jnp.asarray(gen.standard_normal((4, 8192, 3), np.float32), jnp.bfloat16)
+    config = prefill_kernel.Config(**opts)
+    y, final = jax.jit(lambda *a: prefill_kernel.causal_conv1d(
+        *a, initial_state=h0, activation="silu", cu_seqlens=cu, config=config))(x, weight)
+    exp_y, exp_final = jax.jit(lambda *a: ref.causal_conv1d(
+        *a, initial_state=h0, activation="silu", cu_seqlens=cu))(x, weight)
+    _check_prefill(y, final, exp_y, exp_final)
