@@ -1,0 +1,121 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Kernels against their anchors and the roofline
+#
+# Every `benchmarks/*.json` written by `experiments/bench_*` holds one row per kernel and shape:
+# our time, what it achieved (TB/s for memory-bound kernels, TFLOP/s for compute-bound ones),
+# the ceiling measured in the same process (copy bandwidth of the GPU, or its dense matmul
+# peak), and the anchor it was timed against in the same process (cuDNN, fla, the deprecated
+# Pallas kernel, the XLA reference, or another of our variants).
+#
+# `GPU = False` plots the stored results (any machine, seconds); `GPU = True` first re-measures
+# on this GPU (`experiments.bench_decode` and `experiments.bench_prefill`, several minutes,
+# rewriting their JSON files), then plots.
+
+# %%
+# ruff: noqa: E402 (the setting comes first, the imports after it)
+GPU = False
+
+# %%
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "benchmarks").is_dir())
+if GPU:
+    for bench in ("experiments.bench_decode", "experiments.bench_prefill"):
+        subprocess.run([sys.executable, "-m", bench], cwd=ROOT, check=True)
+
+tables = {}
+for path in sorted((ROOT / "benchmarks").glob("*.json")):
+    data = json.loads(path.read_text())
+    if "rows" in data:  # other JSON there (e.g. evaluation results) has no kernel rows
+        tables[path.stem] = data
+for name, data in tables.items():
+    print(f"{name}: {len(data['rows'])} rows, {data['device']}, commit {data['commit']}")
+
+# %% [markdown]
+# ## The numbers
+#
+# `roofline` is our fraction of the ceiling: achieved / ceiling, where the ceiling is copy
+# bandwidth for TB/s rows and matmul peak for TFLOP/s rows. `x anchor` is the anchor's time over
+# ours (> 1: we are faster). Where the anchor does the same work as ours (an external
+# implementation or the XLA reference of the same op on the same shapes, i.e. not one of our
+# own variants such as "ours bf16" for an fp8 row), its fraction of the ceiling is ours scaled
+# by the time ratio: `anchor roofline = roofline x ms / anchor_ms`. Rows whose GEMMs run in
+# fp8 can pass 1: their ceiling is the bf16 matmul peak.
+
+# %%
+def same_work(row) -> bool:
+    """Whether the anchor runs the same op on the same data (not another of our variants)."""
+    return bool(row.get("anchor_ms")) and not row["anchor"].lower().startswith("our")
+
+
+for name, data in tables.items():
+    print(f"\n{name} ({data['device']})")
+    print(f"{'kernel':<22} {'case':<58} {'ms':>8} {'roofline':>8} {'anchor rl':>9} "
+          f"{'x anchor':>8}  anchor")
+    for r in data["rows"]:
+        frac = r.get("fraction_of_ceiling")
+        anchor_frac = frac * r["ms"] / r["anchor_ms"] if same_work(r) and frac else None
+        print(f"{r['kernel']:<22} {r['case']:<58} {r['ms']:>8.3f} "
+              f"{frac if frac is not None else float('nan'):>8.3f} "
+              f"{anchor_frac if anchor_frac is not None else float('nan'):>9.3f} "
+              f"{r['speedup_vs_anchor'] or float('nan'):>8.2f}  {r.get('anchor') or ''}")
+
+# %% [markdown]
+# ## Plots
+#
+# Per file: left, the fraction of the ceiling (bars: ours; dots: the anchor where it does the
+# same work; the dashed line is the roofline); right, the speedup over the anchor (the dashed
+# line is parity).
+
+# %%
+UNIT = {"TB/s": "of copy bandwidth", "TFLOP/s": "of matmul peak"}
+for name, data in tables.items():
+    rows = data["rows"]
+    labels = [f"{r['kernel']}  {r['case']}" for r in rows]
+    y = np.arange(len(rows))
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(15, 0.32 * len(rows) + 1.5), sharey=True)
+    colors = ["tab:blue" if r.get("unit") == "TB/s" else "tab:orange" for r in rows]
+    ax0.barh(y, [r.get("fraction_of_ceiling") or 0 for r in rows], color=colors)
+    anchors = [(i, r["fraction_of_ceiling"] * r["ms"] / r["anchor_ms"]) for i, r in enumerate(rows)
+               if same_work(r) and r.get("fraction_of_ceiling")]
+    if anchors:
+        ax0.plot([a for _, a in anchors], [i for i, _ in anchors], "ko", ms=4, label="anchor")
+    ax0.axvline(1.0, ls="--", color="gray")
+    ax0.set(yticks=y, yticklabels=labels, xlabel="fraction of the ceiling (blue: "
+            f"{UNIT['TB/s']}, orange: {UNIT['TFLOP/s']})")
+    ax0.invert_yaxis()
+    if anchors:
+        ax0.legend(loc="lower right")
+    speed = [r.get("speedup_vs_anchor") or np.nan for r in rows]
+    ax1.barh(y, speed, color="tab:green")
+    ax1.axvline(1.0, ls="--", color="gray")
+    ax1.set_xscale("log")
+    ax1.set(xlabel="speedup over the anchor (anchor ms / our ms)")
+    for i, r in enumerate(rows):
+        if r.get("anchor"):
+            ax1.annotate(r["anchor"], (ax1.get_xlim()[0], i), xytext=(3, 0),
+                         textcoords="offset points", va="center", fontsize=7)
+    fig.suptitle(f"{name}: {data['device']}, commit {data['commit']}")
+    fig.tight_layout()
+    plt.show()
