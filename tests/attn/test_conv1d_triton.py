@@ -218,12 +218,14 @@ def _check_prefill(y, final, exp_y, exp_final):
     np.testing.assert_array_equal(_bits(final), _bits(exp_final))
 
 
-# float32 is slow (~26 s of CPU CI): `test_prefill_kernel_varlen[f32]` runs the same kernel on
-# lengths 1, 3, 5, 64 and 65 with and without states, and `test_prefill_kernel_block_shapes_f32`
-# the f32 SiLU with bias.
+# Slow: float32 (`test_prefill_kernel_varlen[f32]` runs the same kernel on lengths 1, 3, 5, 64
+# and 65 with and without states, `test_prefill_kernel_block_shapes_f32` the f32 SiLU with bias)
+# and the zero state (no fix-up kernel: `test_prefill_kernel_varlen` runs it on those lengths, the
+# exact-SiLU tests on B2 rows).
 @pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow),
                                    jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("state", [False, True], ids=["zero-state", "state"])
+@pytest.mark.parametrize("state", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["zero-state", "state"])
 def test_prefill_kernel_matches_reference_on_edge_lengths(dtype, state):
     """B2, C40 (a masked channel tile), tiles of 32 tokens so a tile straddles the two rows."""
     gen = rng()
