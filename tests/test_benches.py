@@ -1,59 +1,55 @@
-"""The benchmark plumbing (experiments/_bench.py) and the prefill benchmark's smoke run.
+"""The benchmark machinery (`experiments.bench`) on the CPU: the timer, the row-group runner, the
+argument specs and config strings, the CLI, and the committed tables rendered from their JSON.
 
-The plumbing tests are fast and run in CI; the smoke run of every prefill row group (tiny shapes
-through Triton's interpreter, about a minute on two cores) is `slow`.
+The `slow` tests run whole suites with `--quick` (tiny shapes through Triton's interpreter, a few
+minutes on two cores); the rest takes seconds.
 """
 
 import dataclasses
 import json
 import time
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import _bench
+from experiments import bench
+from experiments.bench import cli, core, registry
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _row(i):
-    return _bench.row(kernel="k", case=f"c{i}", ms=1.0, achieved=1.0, unit="x", ceiling=2.0,
-                      anchor=None, anchor_ms=None, goal="none", meets_goal=None)
+    return core.row(kernel="k", case=f"c{i}", ms=1.0, achieved=1.0, unit="x", ceiling=2.0,
+                    anchor=None, anchor_ms=None, goal="none", meets_goal=None)
 
 
 def test_run_groups_keeps_rows_of_a_failing_group_and_runs_the_next(tmp_path):
-    def broken(args, ctx):
+    def broken(ctx):
         yield _row(0)
         raise RuntimeError("out of memory")
 
-    def fine(args, ctx):
-        return [_row(1)]
-
-    ctx = _bench.Context(smoke=True)
-    rows = _bench.run_groups("t", {"broken": broken, "fine": fine}, ["broken", "fine"], None,
-                             ctx, out_dir=tmp_path)
+    rows = core.run_groups("t", {"broken": broken, "fine": lambda ctx: [_row(1)]},
+                           core.Context(quick=True), out_dir=tmp_path, command="cmd")
     assert [r["case"] for r in rows] == ["c0", "c1"]
     written = json.loads((tmp_path / "t.json").read_text())
     assert [r["case"] for r in written["rows"]] == ["c0", "c1"]
-    assert "| k | c1 |" in (tmp_path / "t.md").read_text()
+    assert {"device", "jax", "commit"} <= set(written)
+    md = (tmp_path / "t.md").read_text()
+    assert "| k | c1 |" in md and "Reproduce: `cmd`" in md
 
 
 def test_run_groups_writes_each_row_before_the_next_starts(tmp_path):
     seen = []
 
-    def group(args, ctx):
+    def group(ctx):
         yield _row(0)
         seen.append(json.loads((tmp_path / "t.json").read_text())["rows"])
         yield _row(1)
 
-    _bench.run_groups("t", {"g": group}, ["g"], None, _bench.Context(smoke=True),
-                      out_dir=tmp_path)
+    core.run_groups("t", {"g": group}, core.Context(quick=True), out_dir=tmp_path, command="c")
     assert [r["case"] for r in seen[0]] == ["c0"]
-
-
-def test_run_groups_rejects_an_unknown_group(tmp_path):
-    with pytest.raises(ValueError, match="unknown row groups"):
-        _bench.run_groups("t", {"g": lambda a, c: []}, ["nope"], None, _bench.Context(),
-                          out_dir=tmp_path)
 
 
 def test_time_ms_budget_cuts_the_calls_of_a_long_function():
@@ -64,7 +60,7 @@ def test_time_ms_budget_cuts_the_calls_of_a_long_function():
         time.sleep(0.03)
         return x
 
-    ms = _bench.time_ms(slow, jnp.ones(2), iters=10, trials=5, warmup=1, budget_s=0.1)
+    ms = core.time_ms(slow, jnp.ones(2), iters=10, trials=5, warmup=1, budget_s=0.1)
     # warm-up 1 + probe 1 + 3 trials of 1 call, instead of 1 + 50
     assert len(calls) == 5, len(calls)
     assert 25 <= ms <= 200, ms
@@ -77,26 +73,51 @@ def test_time_ms_budget_keeps_the_counts_of_a_short_function():
         calls.append(1)
         return x
 
-    _bench.time_ms(fast, jnp.ones(2), iters=10, trials=5, warmup=2, budget_s=1.0)
+    core.time_ms(fast, jnp.ones(2), iters=10, trials=5, warmup=2, budget_s=1.0)
     assert len(calls) == 2 + 1 + 50
 
 
-def test_context_memoises_figures():
-    ctx = _bench.Context(smoke=True)
+def test_time_ms_carries_state_and_reports_per_step():
+    """`carry` feeds each call's state into the next (a donated pool); `steps` divides."""
+    seen = []
+
+    def step(state, x):
+        seen.append(int(state))
+        time.sleep(0.01)
+        return state + 1
+
+    ms = core.time_ms(step, 0, jnp.ones(2), iters=2, trials=2, warmup=1, steps=4,
+                      carry=lambda out, args: (out, *args[1:]))
+    assert seen == [0, 1, 2, 3, 4]
+    assert 1 <= ms <= 20, ms  # ~10 ms a call, 4 steps a call
+
+
+def test_time_ms_times_torch_callables_with_the_same_clock():
+    torch = pytest.importorskip("torch")
+    a = torch.ones(16)
+    calls = []
+    ms = core.time_ms(lambda: calls.append(1) or a * 2, iters=3, trials=2, warmup=1)
+    assert len(calls) == 1 + 6 and ms >= 0
+
+
+def test_context_memoises_figures_and_times_once_when_quick():
+    ctx = core.Context(quick=True)
     counter = []
     assert ctx.once("a", lambda: counter.append(1) or 7) == 7
     assert ctx.once("a", lambda: counter.append(1) or 8) == 7
-    assert counter == [1]
-    assert ctx.ceilings() == {}
+    assert counter == [1] and ctx.ceilings() == {}
+    calls = []
+    ctx.time(lambda x: calls.append(1) or x, jnp.ones(2), iters=10, trials=5)
+    assert len(calls) == 2  # one warm-up, one timed call
 
 
 def test_sparse_mask_hits_the_target_density():
     from attn.block_sparse import effective_block_mask
-    from experiments.bench_sparse_prefill import _sparse_mask
+    from experiments.bench.sparse import sparse_mask
 
     n, s, bs = 4, 128 * 32, 32
     for density in (0.1, 1.0):
-        mask = _sparse_mask(0, n, s, bs, density)
+        mask = sparse_mask(0, n, s, bs, density)
         eff = np.asarray(effective_block_mask(jnp.ones((1, n), jnp.int32), mask,
                                               num_q_tokens=s, num_kv_tokens=s, block_size=bs))
         sb = s // bs
@@ -105,25 +126,106 @@ def test_sparse_mask_hits_the_target_density():
 
 
 def test_kilo_names_lengths():
-    assert (_bench.kilo(131072), _bench.kilo(96), _bench.kilo(1536)) == ("128K", "96", "1536")
+    assert (core.kilo(131072), core.kilo(96), core.kilo(1536)) == ("128K", "96", "1536")
+
+
+def test_parse_changes_keep_the_other_fields_of_a_base_config():
+    """A config string changes only the fields it names (a base that is not `Config()`, e.g. a
+    `default_config` for wide heads, keeps the rest); a bad name or value says which."""
+    from attn.block_sparse import triton as sparse_triton
+
+    base = sparse_triton.default_config(256)  # 32-key steps, 2 stages
+    changed = registry.parse_fields(sparse_triton.Config, "warp_specialize=1", base)
+    assert changed == dataclasses.replace(base, warp_specialize=True) and changed.block_n == 32
+    assert registry.describe_fields(changed, base) == "warp_specialize=True"
+    with pytest.raises(ValueError, match="nope=1"):
+        registry.parse_changes(sparse_triton.Config, "nope=1")
+    with pytest.raises(ValueError, match="num_stages=x"):
+        registry.parse_changes(sparse_triton.Config, "num_stages=x")
+    with pytest.raises(ValueError, match="num_stages=0"):  # the Config's own check
+        registry.parse_fields(sparse_triton.Config, "num_stages=0")
+
+
+def test_specs_apply_settings_to_every_group_with_the_field_or_to_one():
+    registry.load()
+    got = registry.specs(["flash_prefill", "window_prefill"],
+                         "heads=16,window_prefill.seq=1024,seqs=8:16")
+    assert got["flash_prefill"].heads == got["window_prefill"].heads == 16
+    assert got["window_prefill"].seq == 1024 and got["flash_prefill"].seqs == (8, 16)
+    quick = registry.specs(["paged_decode"], "xla_reference=0", quick=True)["paged_decode"]
+    assert quick.seq == 256 and quick.xla_reference is False
+    with pytest.raises(ValueError, match="no selected row group has 'nope'"):
+        registry.specs(["flash_prefill"], "nope=1")
+    with pytest.raises(ValueError, match="not a selected row group"):
+        registry.specs(["flash_prefill"], "window_prefill.seq=1")
+    with pytest.raises(ValueError, match="unknown row groups"):
+        registry.specs(["nope"])
+
+
+def test_every_suite_group_is_registered_with_a_quick_spec():
+    groups = registry.load()
+    for suite, names in registry.SUITES.items():
+        for name in names:
+            spec = groups[name].spec
+            fields = {f.name for f in dataclasses.fields(spec)}
+            assert set(spec.QUICK) <= fields, (suite, name, set(spec.QUICK) - fields)
+            spec(**spec.QUICK)
+
+
+@pytest.mark.parametrize("path", sorted(p for p in BENCHMARKS.glob("*.json")
+                                        if not p.name.startswith("heads")),
+                         ids=lambda p: p.stem)
+def test_committed_tables_are_their_json_rendered_by_the_bench(path):
+    """Every committed table is `--render` of its JSON: one format, and a suite of that name
+    whose command the table names reproduces it."""
+    assert path.stem in registry.SUITES, path.stem
+    expected = core.render(path.stem, json.loads(path.read_text()), cli.command(path.stem))
+    assert path.with_suffix(".md").read_text() == expected
+    assert f"python -m experiments.bench {path.stem}" in bench.__doc__
+
+
+def test_cli_refuses_bad_rows_and_settings(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["decode", "--rows", "flash_prefill"])
+    assert "the decode suite has" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["mla", "--set", "nope=1"])
+    assert "no selected row group has 'nope'" in capsys.readouterr().err
+
+
+def test_cli_render_rewrites_the_table_from_the_json(tmp_path):
+    rows = [_row(0)]
+    (tmp_path / "mla.json").write_text(json.dumps({"device": "d", "rows": rows}))
+    assert cli.main(["mla", "--render", "--out", str(tmp_path)]) == []
+    md = (tmp_path / "mla.md").read_text()
+    assert "`python -m experiments.bench mla`" in md and "| k | c0 |" in md
+
+
+def test_cli_quick_run_on_cpu_writes_rows_with_ratios(tmp_path):
+    """One group end to end through the interpreter: our kernel, its XLA anchor, the copy
+    ceiling, the ratios derived, the quick file name."""
+    rows = cli.main(["gdn", "--rows", "causal_conv1d_update", "--quick", "--out",
+                     str(tmp_path)])
+    (r,) = rows
+    assert r["kernel"] == "causal_conv1d_update" and r["state_bitwise_equal_to_xla"]
+    assert r["rel_err_y_vs_xla"] < 2e-2 and r["anchor_ms"] > 0 and r["ceiling"] > 0
+    assert r["speedup_vs_anchor"] == pytest.approx(r["anchor_ms"] / r["ms"], abs=1e-4)
+    written = json.loads((tmp_path / "gdn_quick.json").read_text())
+    assert written["rows"] == rows and "copy_bandwidth_tbs" in written
+    assert "--quick" in (tmp_path / "gdn_quick.md").read_text()
 
 
 @pytest.mark.slow
-def test_prefill_smoke_runs_every_group_on_cpu(tmp_path):
-    """`python -m experiments.bench_prefill --smoke`: every row group, tiny shapes, interpreter;
-    our outputs close to their references, anchors that need a GPU recorded as None."""
-    from experiments import bench_prefill
-
-    rows = bench_prefill.main(["--smoke", "--out", str(tmp_path)])
-    kernels = {r["kernel"] for r in rows}
-    assert kernels == {"flash_prefill", "window_prefill", "block_sparse_prefill",
-                       "xattn_estimate", "gdn_chunk_prefill", "causal_conv1d", "paged_prefill",
-                       "flash_prefill_fwd_bwd"}, kernels
-    written = json.loads((tmp_path / "prefill_smoke.json").read_text())
-    assert len(written["rows"]) == len(rows)
+def test_prefill_quick_runs_every_group_on_cpu(tmp_path):
+    """`python -m experiments.bench prefill --quick`: every group, tiny shapes, interpreter; our
+    outputs close to their references, anchors that need a GPU recorded as None."""
+    rows = cli.main(["prefill", "--quick", "--out", str(tmp_path)])
     by = {}
     for r in rows:
         by.setdefault(r["kernel"], []).append(r)
+    assert set(by) == {"flash_prefill", "window_prefill", "block_sparse_prefill",
+                       "xattn_estimate", "gdn_chunk_prefill", "causal_conv1d", "paged_prefill",
+                       "flash_prefill_fwd_bwd"}, set(by)
     assert all(r["tokamax_ms"] is None and "tokamax_note" in r
                for k in ("flash_prefill", "window_prefill") for r in by[k])
     for r in by["block_sparse_prefill"]:
@@ -140,46 +242,19 @@ def test_prefill_smoke_runs_every_group_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("argv", [
-    ["experiments.sweep_prefill_kernels", "conv1d", "--quick"],
-    ["experiments.sweep_prefill_kernels", "paged", "--quick"],
-    ["experiments.sweep_prefill_kernels", "sparse", "--quick"],
-    ["experiments.sweep_prefill_kernels", "xattn", "--quick"],
-], ids=["conv1d", "paged", "sparse", "xattn"])
-def test_sweep_scripts_run_on_cpu(argv, capsys):
-    """The GPU sweep scripts' `--quick` modes (interpreter): every config times and checks."""
-    import importlib
-
-    importlib.import_module(argv[0]).main(argv[1:])
-    out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if " ms " in line or line.rstrip().endswith("ms")]
-    assert lines and "failed" not in out, out
-
-
-def test_block_sparse_profile_runs_on_cpu(capsys):
-    """`experiments.profile_block_sparse --quick` (interpreter): the op, its lists, the kernel
-    per config and dense flash are timed; the kernel alone gives the op's output bit for bit."""
-    from experiments import profile_block_sparse as prof
-
-    rows = prof.main(["--quick", "--config", "num_stages=2"])
-    assert [r["config"] for r in rows] == ["default", "num_stages=2"]
-    assert all(r["same"] and r["kernel"] > 0 and r["lists"] > 0 for r in rows), rows
-    assert 0 < rows[0]["density"] <= 1 and rows[0]["steps"] > 0
-    assert "k+l/goal" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="no_such_field=1"):
-        prof.main(["--quick", "--config", "no_such_field=1"])
-
-
-def test_parse_changes_keep_the_other_fields_of_a_base_config():
-    """`--config` text changes only the fields it names (a base that is not `Config()`, e.g. a
-    `default_config` for wide heads, keeps the rest); a bad name or value says which."""
-    from attn.block_sparse import triton as sparse_triton
-
-    base = sparse_triton.default_config(256)  # 32-key steps, 2 stages
-    changed = dataclasses.replace(base, **_bench.parse_changes(sparse_triton.Config,
-                                                                 "warp_specialize=1"))
-    assert changed == dataclasses.replace(base, warp_specialize=True) and changed.block_n == 32
-    with pytest.raises(ValueError, match="nope=1"):
-        _bench.parse_changes(sparse_triton.Config, "nope=1")
-    with pytest.raises(ValueError, match="num_stages=0"):
-        _bench.parse_fields(sparse_triton.Config, "num_stages=0")
+def test_decode_quick_runs_every_group_on_cpu(tmp_path):
+    """`python -m experiments.bench decode --quick`: every group; the kv_write rows take the
+    paged group's G4 times as their anchor; outputs close to their references."""
+    rows = cli.main(["decode", "--quick", "--out", str(tmp_path)])
+    by = {}
+    for r in rows:
+        by.setdefault(r["kernel"], []).append(r)
+    assert set(by) >= {"paged_decode", "paged_decode_fp8", "paged_decode_headwise", "mla_decode",
+                       "mla_decode_fp8", "gdn_decode", "causal_conv1d_update", "kv_write",
+                       "kv_write_prefill", "engine_decode", "engine_decode_fp8"}, set(by)
+    g4 = {r["kernel"]: r["ms"] for r in by["paged_decode"] + by["paged_decode_fp8"]
+          if "-G4-" in r["case"] and "xla" not in r["case"]}
+    assert [r["anchor_ms"] for r in by["kv_write"]] == [g4["paged_decode"],
+                                                        g4["paged_decode_fp8"]]
+    assert by["gdn_decode"][0]["rel_err_o_vs_xla"] < 2e-2
+    assert all(r["recompiles"] == 0 for r in by["engine_decode"] + by["engine_decode_fp8"])

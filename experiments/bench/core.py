@@ -34,7 +34,8 @@ def _sync(out) -> None:
     """Wait for the device work behind `out` (JAX arrays, or torch CUDA tensors)."""
     torch = sys.modules.get("torch")
     if torch is not None and any(isinstance(x, torch.Tensor) for x in jax.tree.leaves(out)):
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():  # CPU tensors are ready when the call returns
+            torch.cuda.synchronize()
     else:
         jax.block_until_ready(out)
 

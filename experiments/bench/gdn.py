@@ -109,7 +109,7 @@ def _fla():
     return torch, gated_delta_rule, ""
 
 
-def _stepper(step, steps: int = STEPS):
+def stepper(step, steps: int = STEPS):
     """jit of `steps` unrolled `step(pool, x, *args) -> (x_next, pool)` calls; pool donated.
 
     Every array is an argument: a closed-over array would be baked into the program.
@@ -121,7 +121,7 @@ def _stepper(step, steps: int = STEPS):
     return jax.jit(run, donate_argnums=(0,))
 
 
-def _thread_pool(out, args):
+def thread_pool(out, args):
     """`time_ms(carry=)` of a stepper: the returned pool is the next call's."""
     return (out[1], *args[1:])
 
@@ -197,8 +197,8 @@ def gdn_decode_rows(a: GDNDecodeArgs, ctx: core.Context):
     cfg = gdn_triton.default_config(hv)
 
     # One step of each, on fresh copies of the pool (the calls donate it).
-    o, new_pool = _stepper(gdn_step("triton", cfg), 1)(jnp.asarray(pool_np), vj, *args)
-    o_ref, pool_ref = _stepper(gdn_step("xla"), 1)(jnp.asarray(pool_np), vj, *args)
+    o, new_pool = stepper(gdn_step("triton", cfg), 1)(jnp.asarray(pool_np), vj, *args)
+    o_ref, pool_ref = stepper(gdn_step("xla"), 1)(jnp.asarray(pool_np), vj, *args)
     live = np.asarray(slot_ids)
     o, o_ref = np.asarray(o, np.float32), np.asarray(o_ref, np.float32)
     state, state_ref = np.asarray(new_pool)[live], np.asarray(pool_ref)[live]
@@ -208,12 +208,12 @@ def gdn_decode_rows(a: GDNDecodeArgs, ctx: core.Context):
                  programs=b * nv * -(-hv // cfg.block_hv))
     del new_pool, pool_ref
 
-    pooled = dict(carry=_thread_pool, steps=STEPS, budget_s=None)
-    ms = ctx.time(_stepper(gdn_step("triton", cfg)), jnp.asarray(pool_np), vj, *args, **pooled)
+    pooled = dict(carry=thread_pool, steps=STEPS, budget_s=None)
+    ms = ctx.time(stepper(gdn_step("triton", cfg)), jnp.asarray(pool_np), vj, *args, **pooled)
     xla_ms = fla_ms = None
     if a.anchors:
         try:
-            xla_ms = ctx.time(_stepper(gdn_step("xla")), jnp.asarray(pool_np), vj, *args,
+            xla_ms = ctx.time(stepper(gdn_step("xla")), jnp.asarray(pool_np), vj, *args,
                               iters=3, trials=3, warmup=1, **pooled)
         except Exception as e:  # an OOM of the reference is a result too
             log.warning("XLA reference failed: %s", core.first_line(e))
@@ -267,8 +267,8 @@ def conv_update_rows(a: ConvUpdateArgs, ctx: core.Context):
     pool = lambda: jnp.asarray(pool_np, jnp.bfloat16)
     cfg = conv_triton.Config()
 
-    y, new_pool = _stepper(conv_step("triton", cfg), 1)(pool(), x, slot_ids, weight)
-    y_ref, pool_ref = _stepper(conv_step("xla"), 1)(pool(), x, slot_ids, weight)
+    y, new_pool = stepper(conv_step("triton", cfg), 1)(pool(), x, slot_ids, weight)
+    y_ref, pool_ref = stepper(conv_step("xla"), 1)(pool(), x, slot_ids, weight)
     live = np.asarray(slot_ids)
     extra = dict(rel_err_y_vs_xla=round(core.rel_err(y, y_ref), 6),
                  state_bitwise_equal_to_xla=bool(
@@ -276,12 +276,12 @@ def conv_update_rows(a: ConvUpdateArgs, ctx: core.Context):
                  config=f"block_c={cfg.block_c} warps={cfg.num_warps}")
     del new_pool, pool_ref
 
-    pooled = dict(carry=_thread_pool, steps=STEPS, budget_s=None)
-    ms = ctx.time(_stepper(conv_step("triton", cfg)), pool(), x, slot_ids, weight, **pooled)
+    pooled = dict(carry=thread_pool, steps=STEPS, budget_s=None)
+    ms = ctx.time(stepper(conv_step("triton", cfg)), pool(), x, slot_ids, weight, **pooled)
     xla_ms = None
     if a.anchors:
         try:
-            xla_ms = ctx.time(_stepper(conv_step("xla")), pool(), x, slot_ids, weight, **pooled)
+            xla_ms = ctx.time(stepper(conv_step("xla")), pool(), x, slot_ids, weight, **pooled)
         except Exception as e:
             log.warning("XLA reference failed: %s", core.first_line(e))
     num_bytes = 2 * b * c * (w - 1) * 2 + 2 * b * c * 2 + c * w * 2

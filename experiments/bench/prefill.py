@@ -109,7 +109,7 @@ def _ours_timed(ctx, q, k, v, **options):
     return got["ms"], got["out"], fields
 
 
-def _cudnn(k_heads_ok: bool, **options):
+def cudnn(k_heads_ok: bool, **options):
     """cuDNN flash attention; repeats K/V per group if this jax refuses GQA heads."""
     def fn(q, k, v):
         if not k_heads_ok:
@@ -119,13 +119,13 @@ def _cudnn(k_heads_ok: bool, **options):
     return jax.jit(fn)
 
 
-def _time_cudnn(ctx, q, k, v, **options):
+def time_cudnn(ctx, q, k, v, **options):
     """`(ms, out, note)` of cuDNN with K heads, else repeated heads, else `(None, None, why)`."""
     if not core.on_gpu():
         log.warning("cuDNN anchor skipped: no GPU")
         return None, None, "skipped: no GPU"
     for gqa in (True, False):
-        fn = _cudnn(gqa, **options)
+        fn = cudnn(gqa, **options)
         try:
             out = fn(q, k, v)
             return ctx.time(fn, q, k, v), out, "" if gqa else "K/V repeated to N heads"
@@ -212,12 +212,12 @@ def _tokamax_fields(ctx, ms, out, q, k, v, **options) -> dict:
     return extra
 
 
-def _causal_pairs(b, t, n) -> float:
+def causal_pairs(b, t, n) -> float:
     """Query-key pairs of causal attention, counted as FA does (`S^2 / 2` per head)."""
     return b * n * t * t / 2
 
 
-def _window_pairs(s, window, sink) -> float:
+def window_pairs(s, window, sink) -> float:
     """Visible pairs per head under a causal window of `window` keys plus `sink` leading keys."""
     p = np.arange(s, dtype=np.float64)
     in_window = np.minimum(p + 1, window)
@@ -232,8 +232,8 @@ def flash_rows(a: FlashArgs, ctx: core.Context):
     for s in a.seqs:
         q, k, v = core.qkv(s, b, s, n, kh, h)
         ms, out, extra = _ours_timed(ctx, q, k, v)
-        anchor_ms, anchor_out, note = _time_cudnn(ctx, q, k, v, is_causal=True)
-        flops = 4 * _causal_pairs(b, s, n) * h
+        anchor_ms, anchor_out, note = time_cudnn(ctx, q, k, v, is_causal=True)
+        flops = 4 * causal_pairs(b, s, n) * h
         extra |= _tokamax_fields(ctx, ms, out, q, k, v, is_causal=True)
         if anchor_out is not None:
             extra["rel_err_vs_anchor"] = round(core.rel_err(out, anchor_out), 5)
@@ -258,9 +258,9 @@ def window_rows(a: WindowArgs, ctx: core.Context):
     q, k, v = core.qkv(7, b, s, n, kh, h)
     ms, _, extra = _ours_timed(ctx, q, k, v, window=w, sinks=sink)
     window_opts = dict(is_causal=True, local_window_size=(w - 1, 0))
-    anchor_ms, anchor_out, note = _time_cudnn(ctx, q, k, v, **window_opts)
-    flops = 4 * b * n * h * _window_pairs(s, w, sink)
-    extra["visible_fraction"] = round(_window_pairs(s, w, sink) / (s * s / 2), 5)
+    anchor_ms, anchor_out, note = time_cudnn(ctx, q, k, v, **window_opts)
+    flops = 4 * b * n * h * window_pairs(s, w, sink)
+    extra["visible_fraction"] = round(window_pairs(s, w, sink) / (s * s / 2), 5)
     # The anchors' exact function (no sink), like for like, by the same kernel.
     no_sink_ms, no_sink_out, no_sink = _ours_timed(ctx, q, k, v, window=w)
     extra["ours_no_sink_ms"] = round(no_sink_ms, 4)
@@ -277,7 +277,7 @@ def window_rows(a: WindowArgs, ctx: core.Context):
         extra["rel_err_no_sink_vs_anchor"] = round(core.rel_err(no_sink_out, anchor_out), 5)
         extra["speedup_no_sink_vs_anchor"] = round(anchor_ms / no_sink_ms, 4)
         extra["anchor_tflops_on_its_pairs"] = round(
-            4 * b * n * h * _window_pairs(s, w, 0) / anchor_ms / 1e9, 2)
+            4 * b * n * h * window_pairs(s, w, 0) / anchor_ms / 1e9, 2)
     if note:
         extra["anchor_note"] = note
     yield core.row(
@@ -289,7 +289,7 @@ def window_rows(a: WindowArgs, ctx: core.Context):
         meets_goal=None if anchor_ms is None else anchor_ms / ms >= 0.9, **extra)
 
 
-def _grad_fn(fn):
+def grad_fn(fn):
     """`(q, k, v, d_out) -> (dq, dk, dv)` of `sum(fn(q, k, v) * d_out)`, jitted."""
     def loss(q, k, v, d_out):
         return jnp.sum(fn(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
@@ -306,7 +306,7 @@ def backward_rows(a: BackwardArgs, ctx: core.Context):
         d_out = jax.random.normal(jax.random.key(s), q.shape, q.dtype)
         opts = {} if w is None else dict(window=w)
         # what `attention(implementation="auto")` trains through
-        ours = _grad_fn(lambda q, k, v, opts=opts: attention(q, k, v, **opts)[0])
+        ours = grad_fn(lambda q, k, v, opts=opts: attention(q, k, v, **opts)[0])
         grads = ours(q, k, v, d_out)
         ms = ctx.time(ours, q, k, v, d_out)
         cudnn_opts = dict(is_causal=True)
@@ -315,7 +315,7 @@ def backward_rows(a: BackwardArgs, ctx: core.Context):
         anchor_ms, extra = None, {}
         for gqa in (True, False) if core.on_gpu() else ():
             try:
-                anchor = _grad_fn(_cudnn(gqa, **cudnn_opts))
+                anchor = grad_fn(cudnn(gqa, **cudnn_opts))
                 ref = anchor(q, k, v, d_out)
                 anchor_ms = ctx.time(anchor, q, k, v, d_out)
             except Exception as e:  # an anchor that cannot run is reported, not fatal
@@ -326,7 +326,7 @@ def backward_rows(a: BackwardArgs, ctx: core.Context):
             if not gqa:
                 extra["anchor_note"] = "K/V repeated to N heads"
             break
-        pairs = _causal_pairs(b, s, n) if w is None else b * n * _window_pairs(s, w, 0)
+        pairs = causal_pairs(b, s, n) if w is None else b * n * window_pairs(s, w, 0)
         flops = 3.5 * 4 * pairs * h  # forward + backward (2.5x the forward), the FA convention
         yield core.row(
             kernel="flash_prefill_fwd_bwd",

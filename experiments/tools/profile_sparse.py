@@ -1,17 +1,17 @@
-"""Where the block-sparse prefill's time goes: the op as `bench_prefill` times it, its work before
-the launch alone (the effective block mask and the per-row block lists: `lists` as the op makes
-them, on a GPU the Triton lists kernel; `lis_xla` the XLA form the CPU uses), and the kernel alone
-on lists made beforehand (for each `--config`), next to our dense flash at the same length (the
-goal's anchor).
+"""Where the block-sparse prefill's time goes: the op as the `block_sparse_prefill` bench rows time
+it, its work before the launch alone (the effective block mask and the per-row block lists: `lists`
+as the op makes them, on a GPU the Triton lists kernel; `lis_xla` the XLA form the CPU uses), and
+the kernel alone on lists made beforehand (for each `--config`), next to our dense flash at the
+same length (the goal's anchor).
 
-    python -m experiments.profile_block_sparse                      # S64K, density 0.1 (GPU)
-    python -m experiments.profile_block_sparse --seqs 65536,131072 --density 0.1
-    python -m experiments.profile_block_sparse --config warp_specialize=1 --config num_stages=2
-    python -m experiments.profile_block_sparse --quick              # tiny, CPU interpreter
+    python -m experiments.tools.profile_sparse          # S64K, density 0.1 (GPU)
+    python -m experiments.tools.profile_sparse --seqs 65536,131072 --density 0.1
+    python -m experiments.tools.profile_sparse --config warp_specialize=1 --config num_stages=2
+    python -m experiments.tools.profile_sparse --quick  # tiny, CPU interpreter
 
-Shapes and masks are `bench_prefill`'s block-sparse rows' (N32 / K8 / H128 bf16, blocks of 128,
+Shapes and masks are the `block_sparse_prefill` rows' (N32 / K8 / H128 bf16, blocks of 128,
 a random mask of about `--density` with the diagonal and the sink column kept). Times: median
-of `experiments._bench.time_ms` trials. `ms / (density x dense)` is the goal's ratio (<= 1.15).
+of `experiments.bench.core.time_ms` trials. `ms / (density x dense)` is the goal's ratio (<= 1.15).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from attn.block_sparse import reference as sparse_ref
 from attn.block_sparse import triton as sparse_triton
 from attn.block_sparse.api import block_sparse_attention
 from attn.dense import triton as dense_triton
-from experiments import _bench
-from experiments.bench_sparse_prefill import _sparse_mask
+from experiments.bench import core, registry
+from experiments.bench.sparse import sparse_mask
 
 HEADS = dict(n=32, kh=8, h=128)
 QUICK_HEADS = dict(n=4, kh=2, h=32)
@@ -45,8 +45,8 @@ def parts(s: int, density: float, configs: list[str], *, n: int, kh: int, h: int
     """At length `s`: the op, its XLA lists and dense flash (ms) once, then the kernel alone per
     config (`default_config`'s fields changed by each `"name=value,..."`; "" is the default),
     with the measured density and whether the kernel's output is the op's bit for bit."""
-    q, k, v = _bench.qkv(s + 1, 1, s, n, kh, h)
-    mask = _sparse_mask(int(density * 1000) + s, n, s, bs, density)
+    q, k, v = core.qkv(s + 1, 1, s, n, kh, h)
+    mask = sparse_mask(int(density * 1000) + s, n, s, bs, density)
     modes = jnp.ones((1, n), jnp.int32)
     lengths = jnp.full((1,), s, jnp.int32)
     base = sparse_triton.default_config(h)
@@ -65,22 +65,22 @@ def parts(s: int, density: float, configs: list[str], *, n: int, kh: int, h: int
     sb = mask.shape[-1]
     got = float(jnp.sum(count)) / (n * sb * (sb + 1) / 2)
     expected = op(q, k, v, mask)
-    shared = dict(s=s, density=got, op=_bench.time_ms(op, q, k, v, mask, **timing),
-                  lists=_bench.time_ms(lists, mask, **timing),
-                  lists_xla=_bench.time_ms(functools.partial(lists, use_kernel=False), mask,
+    shared = dict(s=s, density=got, op=core.time_ms(op, q, k, v, mask, **timing),
+                  lists=core.time_ms(lists, mask, **timing),
+                  lists_xla=core.time_ms(functools.partial(lists, use_kernel=False), mask,
                                            **timing),
-                  dense=_bench.time_ms(dense, q, k, v, **timing))
+                  dense=core.time_ms(dense, q, k, v, **timing))
     rows = []
     for text in configs:
-        config = dataclasses.replace(base, **_bench.parse_changes(sparse_triton.Config, text))
+        config = dataclasses.replace(base, **registry.parse_changes(sparse_triton.Config, text))
         kernel = jax.jit(lambda q, k, v, blocks, count, whole, config=config: sparse_triton._launch(
             q, k, v, blocks, count, whole, lengths, lengths, scale=h**-0.5, block_size=bs,
             config=config)[0])
         out = kernel(q, k, v, blocks, count, whole)
         rows.append(dict(shared, config=text or "default",
-                         kernel=_bench.time_ms(kernel, q, k, v, blocks, count, whole, **timing),
+                         kernel=core.time_ms(kernel, q, k, v, blocks, count, whole, **timing),
                          same=bool(jnp.array_equal(out, expected)),
-                         err=_bench.rel_err(out, expected),
+                         err=core.rel_err(out, expected),
                          steps=int(jnp.sum(count)) * (bs // min(config.block_n, bs)),
                          programs=n * -(-s // min(config.block_m, bs))))
     return rows
@@ -107,7 +107,6 @@ def main(argv=None) -> list[dict]:
                         "warp_specialize=1 (repeatable: a row each, after the default's)")
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--quick", action="store_true", help="tiny shapes, CPU interpreter")
-    p.add_argument("--out", default=None, help="ignored (the .ci/gpu-check convention)")
     args = p.parse_args(argv)
     heads = QUICK_HEADS if args.quick else HEADS
     bs = 16 if args.quick else args.block
@@ -117,7 +116,7 @@ def main(argv=None) -> list[dict]:
     print(f"device: {jax.devices()[0].device_kind}  heads: {heads}  block: {bs}", flush=True)
     configs = [""] + args.config
     for text in args.config:  # a bad field fails here, before anything is timed
-        _bench.parse_fields(sparse_triton.Config, text)
+        registry.parse_fields(sparse_triton.Config, text)
     rows = [r for s in seqs for r in parts(s, args.density, configs, bs=bs, timing=timing,
                                            **heads)]
     print("(ms; goal = density x dense, <= 1.15 to meet it; k+l: the kernel alone plus the lists; "
