@@ -31,8 +31,8 @@ def _merge_kernel(
     lse = tl.load(lse_ptr + row * P + offs_p, mask=mask_p, other=float("-inf"))  # [BLOCK_P]
     empty = lse == float("-inf")  # [BLOCK_P]; padding splits too
     none = tl.sum(tl.where(empty, 0, 1), axis=0) == 0  # the row saw no key in any split
-    m = tl.max(lse, axis=0)
-    m_safe = tl.where(none, 0.0, m)
+    m = tl.max(lse, axis=0)  # -inf also when the only non-empty split's lse is NaN (GPU max)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m_safe)  # [BLOCK_P]; 0 for empty splits, NaN for a NaN lse
     denom = tl.where(none, 1.0, tl.sum(w, axis=0))
     o = tl.load(  # [BLOCK_P, BLOCK_HV]
