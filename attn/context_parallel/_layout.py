@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -56,30 +55,29 @@ def padded_length(seq_len: int, num_shards: int) -> int:
     return -(-seq_len // unit) * unit
 
 
-def chunk_order(num_shards: int) -> np.ndarray:
-    """The chunks in layout order: `[0, 2D-1, 1, 2D-2, ..., D-1, D]` (device `d` holds entries
-    `2d` and `2d + 1`)."""
-    order = np.empty(2 * num_shards, np.int32)
-    order[0::2] = np.arange(num_shards)
-    order[1::2] = np.arange(2 * num_shards - 1, num_shards - 1, -1)
-    return order
-
-
 def to_zigzag(x: jax.Array, num_shards: int, *, axis: int = 1) -> jax.Array:
-    """Reorder `x`'s sequence axis (length a multiple of `2 * num_shards`) into the layout."""
-    return _permute_chunks(x, chunk_order(num_shards), 2 * num_shards, axis)
+    """Reorder `x`'s sequence axis (length a multiple of `2 * num_shards`) into the layout.
+
+    Slices, a reversal and a stack (no gather), so the transpose under autodiff is as cheap."""
+    axis = axis % x.ndim
+    halves = _split(x, (2, num_shards), axis)  # [..., 2, D, C, ...]: chunks d and D + d
+    first, second = (lax.index_in_dim(halves, i, axis, keepdims=False) for i in (0, 1))
+    pairs = jnp.stack([first, lax.rev(second, (axis,))], axis + 1)  # [..., D, 2, C, ...]
+    return pairs.reshape(x.shape)
 
 
 def from_zigzag(x: jax.Array, num_shards: int, *, axis: int = 1) -> jax.Array:
     """Inverse of `to_zigzag`."""
-    return _permute_chunks(x, np.argsort(chunk_order(num_shards)), 2 * num_shards, axis)
-
-
-def _permute_chunks(x, order, num_chunks, axis):
     axis = axis % x.ndim
-    length = x.shape[axis]
-    chunks = x.reshape(x.shape[:axis] + (num_chunks, length // num_chunks) + x.shape[axis + 1:])
-    return jnp.take(chunks, jnp.asarray(order), axis=axis).reshape(x.shape)
+    pairs = _split(x, (num_shards, 2), axis)  # [..., D, 2, C, ...]: chunks d and 2D - 1 - d
+    first, second = (lax.index_in_dim(pairs, i, axis + 1, keepdims=False) for i in (0, 1))
+    return jnp.concatenate([first, lax.rev(second, (axis,))], axis).reshape(x.shape)
+
+
+def _split(x, leading: tuple[int, int], axis: int):
+    """`x` with its `axis` split into `leading + (length / prod(leading),)`."""
+    chunk = x.shape[axis] // (leading[0] * leading[1])
+    return x.reshape(x.shape[:axis] + leading + (chunk,) + x.shape[axis + 1:])
 
 
 def chunk_starts(num_shards: int, chunk: int, axis_name: str) -> tuple[jax.Array, jax.Array]:
