@@ -103,18 +103,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=_positive(int), default=6, help="requests per config")
     p.add_argument("--rate", type=_positive(float), default=4.0,
                    help="mean arrivals per simulated second (Poisson)")
-    p.add_argument("--prompt-len", type=_positive(int), default=256, help="mean prompt tokens")
+    p.add_argument("--prompt-len", type=_positive(int), default=128, help="mean prompt tokens")
     p.add_argument("--spread", type=float, default=0.5,
                    help="prompt lengths uniform in prompt-len * (1 +- spread); in [0, 1)")
     p.add_argument("--max-tokens", type=_positive(int), default=8,
                    help="generated tokens per request")
     p.add_argument("--batch", type=_positive(int), default=4, help="engine batch slots")
-    p.add_argument("--chunk", type=_positive(int), default=128,
+    p.add_argument("--chunk", type=_positive(int), default=64,
                    help="prefill tokens per slot and step")
     p.add_argument("--page-size", type=_positive(int), default=16, help="tokens per KV page")
-    p.add_argument("--window", type=_positive(int), default=64,
+    p.add_argument("--window", type=_positive(int), default=32,
                    help="window of the streaming heads (headwise)")
-    p.add_argument("--sinks", type=int, default=16, help="sink tokens of the streaming heads")
+    p.add_argument("--sinks", type=int, default=8, help="sink tokens of the streaming heads")
     p.add_argument("--kv-fraction", type=float, default=0.5,
                    help="KV bytes of every config, as a fraction of what uniform needs for all "
                         "slots at the longest request; in (0, 1]")

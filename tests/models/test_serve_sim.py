@@ -46,7 +46,7 @@ def test_workload_is_poisson_and_seeded():
     assert work[0].time == 0 and np.all(gaps >= 0)
     assert abs(gaps.mean() - 0.2) < 0.03  # mean gap 1 / rate
     lengths = [len(a.prompt) for a in work]
-    assert min(lengths) >= 128 and max(lengths) <= 384  # 256 * (1 +- 0.5)
+    assert min(lengths) >= 64 and max(lengths) <= 192  # 128 * (1 +- 0.5)
     assert [a.prompt for a in serve_sim.make_workload(args, 512)] == [a.prompt for a in work]
 
 
