@@ -9,7 +9,9 @@ the flash kernel stops at the diagonal, so the zig-zag layout gives every device
 Against the ring: one collective before the compute (it does not overlap it), and the whole K/V
 resident on every device (`2 S K H` elements per device); no partial merge. The blocks take an
 offset, which the Mosaic GPU kernel does not support, so on a GPU they run the Triton kernel.
-Gradients: autodiff (the gather's transpose reduce-scatters dK / dV).
+Gradients: autodiff (the gather's transpose reduce-scatters dK / dV). Measured (4x H100, causal
+N32 / K8 H128 bf16): 1.34 s at S = 512K, 0.68x of 4x one GPU, against the ring's 0.93 s: the
+Triton blocks, not the 6 ms gather, make the difference.
 """
 
 from __future__ import annotations
