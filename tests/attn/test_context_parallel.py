@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from attn.context_parallel import (
+    _layout,
     allgather_attention,
     from_zigzag,
     reference,
@@ -35,7 +36,6 @@ from attn.context_parallel import (
     ring_attention_local,
     to_zigzag,
 )
-from attn.context_parallel import _layout
 from attn.context_parallel.ring import block_visible, merge
 from tests.utils import assert_close, randn, rng
 
