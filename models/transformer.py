@@ -196,8 +196,9 @@ class CausalLM(nnx.Module):
             causal, and hashable: it is a static argument of the jitted forward, so an equal
             attend reuses the compiled forward). GDN and MLA layers use it only if it has a
             `gdn_mix` / `mla_attend` attribute.
-          buckets: `"pow2"` pads `T` to the next power of two (at least `MIN_BUCKET`); a
-            sequence of lengths pads to the smallest one `>= T`; None compiles per length.
+          buckets: `"pow2"` pads `T` to the next power of two (at least `MIN_BUCKET`; up to 2x
+            the tokens, so at most log2 compiles); a sequence of lengths pads to the smallest
+            one `>= T` (finer buckets, less padding); None compiles per length, no padding.
           implementation: dense attention backend of the default attend.
 
         Returns:

@@ -7,6 +7,7 @@ checked against greedy decoding by repeated full forwards.
 """
 
 import dataclasses
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -284,6 +285,12 @@ def test_checkpoint_without_tokenizer(hf_dir, tmp_path):
         models.load_pretrained(tmp_path / "ckpt")
     with pytest.raises(FileNotFoundError, match="no such checkpoint"):
         models.load_pretrained(tmp_path / "missing")
+    bare = tmp_path / "weights_only"  # an HF directory without tokenizer files
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(hf_dir / name, bare / name)
+    with pytest.raises(models.CheckpointError, match="weights_only: no tokenizer found"):
+        models.load_pretrained(bare)
     with pytest.raises(TypeError, match="has no save_pretrained"):
         models.save(models.load(tmp_path / "ckpt"), tmp_path / "ckpt", tokenizer=object())
 
