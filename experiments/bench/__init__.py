@@ -6,7 +6,8 @@
     python -m experiments.bench --list             # suites, row groups, their arguments
 
 Which command reproduces which committed file (on the GPU machine: `source .ci/gpu-env &&`
-first; `heads.*` is written by `experiments.heads_report`, not here):
+first; not from here: `heads.*`, written by `experiments.heads_report`, and `multigpu.*`, by
+`experiments.bench_multigpu` on 4 GPUs):
 
     benchmarks/decode.{json,md}    python -m experiments.bench decode
     benchmarks/prefill.{json,md}   python -m experiments.bench prefill
