@@ -9,18 +9,20 @@
     for batch in batches: train_step(gated, opt, batch, l1=0.05)
     mask = binarize(gated.alpha[...], 0.5)
 
-`models.heads.router` trains PawQwen3's elastic router the same way (relaxed decisions).
+`models.heads.router` trains Elastic-Attention routers the same way (straight-through relaxed
+decisions, a Lagrangian sparsity target); `models.heads.elastic.elastic_from` gives any Llama /
+Qwen3 backbone those routers (a PawQwen3 model). `experiments.train_heads` runs all of it.
 """
 
 from models.heads.data import Batch, batch_from_samples
 from models.heads.gates import Gate, GatedLM, binarize, distill_loss, make_optimizer, train_step
 from models.heads.mix import MixedAttend, ProbeAttend, full_and_streaming, static_gates
 from models.heads.scoring import (
-                                  SCORE_METHODS,
-                                  HeadScores,
-                                  attention_layers,
-                                  score_heads,
-                                  streaming_mask,
+    SCORE_METHODS,
+    HeadScores,
+    attention_layers,
+    score_heads,
+    streaming_mask,
 )
 from models.heads.selection import SOURCES, HeadSelection
 

@@ -53,13 +53,9 @@ def elastic_from(model: CausalLM, *, window: int, sinks: int, toggle_type: str =
     elastic = PawQwen3ForCausalLM(cfg, dtype=model.dtype, rngs=nnx.Rngs(seed))
     # Routers start in float32 whatever the backbone dtype: they are what trains.
     for layer in elastic.layers:
-        router = layer.mixer.router
-        for var in jax_params(router):
-            var[...] = var[...].astype(jnp.float32)
+        for _, var in nnx.iter_graph(layer.mixer.router):
+            if isinstance(var, nnx.Param):
+                var[...] = var[...].astype(jnp.float32)
     nnx.update(elastic, nnx.state(model))
     return elastic
 
-
-def jax_params(module: nnx.Module) -> list[nnx.Param]:
-    """The `nnx.Param` variables of `module`, in a fixed order."""
-    return [v for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Param)]

@@ -86,7 +86,6 @@ def _probe(model, batch: Batch, *, window: int, sinks: int, implementation: str)
     count = jnp.maximum(valid.sum(axis=1), 1.0)  # [B]
     retrieval, error = [], []
     for layer, probe in zip(model.layers, probes):
-        probe: Probe
         retrieval.append(jnp.einsum("BAK,BA->BK", probe.mass, valid) / count[:, None])
         error.append(_streaming_error(layer.mixer, probe, valid, count))
     return jnp.stack(retrieval, axis=1), jnp.stack(error, axis=1)  # [B, L, K] each
