@@ -17,6 +17,7 @@ from kv.allocator import (
     pages_needed,
     recycle,
     recycle_bounds,
+    recycle_bounds_host,
 )
 from kv.mla import LatentPool, create_latent_pool, gather_latent, latent_slot_mapping, write_latent
 from kv.pages import (
@@ -81,6 +82,7 @@ __all__ = [
     "read_slots",
     "recycle",
     "recycle_bounds",
+    "recycle_bounds_host",
     "reset_slots",
     "shard",
     "token_pages",

@@ -318,6 +318,17 @@ def free(
     return new_alloc, new_tables, ok
 
 
+def _recycle_range(xp, extent, cursor, lengths, window, sinks, page_size: int):
+    """The recycle rule in one place, for `jnp` (`recycle_bounds`) and `np` (the host twin).
+
+    `lengths` broadcasts against `window` (`[B, 1]` on the device, a scalar per row on the host).
+    """
+    lo = xp.maximum((xp.maximum(sinks, 0) + page_size - 1) // page_size, cursor)
+    hi = xp.minimum(xp.maximum(lengths - window, 0) // page_size, extent)
+    hi = xp.where((window > 0) & (hi > lo), hi, lo)
+    return lo, hi
+
+
 def recycle_bounds(
     tables: BlockTables, lengths: Int[Array, "B"], window, sinks  # noqa: F821
 ) -> tuple[Int[Array, "B K"], Int[Array, "B K"]]:
@@ -325,16 +336,38 @@ def recycle_bounds(
 
     `lo = max(ceil(sinks / P), cursor)`, `hi = min(max(lengths - window, 0) // P, extent)` for
     heads with `window > 0`; `hi = lo` (nothing) for full heads or when `hi < lo`.
+    `recycle_bounds_host` is the same rule on NumPy arrays (a scheduler's host mirror).
     """
     batch, num_kv = tables.extent.shape
-    size = tables.page_size
     lengths = v_.as_int_array("lengths", lengths, (batch,), "B")
     window = v_.as_int_array("window", window, (batch, num_kv), "B K")
     sinks = v_.as_int_array("sinks", sinks, (batch, num_kv), "B K")
-    lo = jnp.maximum((jnp.maximum(sinks, 0) + size - 1) // size, tables.cursor)
-    hi = jnp.minimum(jnp.maximum(lengths[:, None] - window, 0) // size, tables.extent)
-    hi = jnp.where((window > 0) & (hi > lo), hi, lo)
-    return lo, hi
+    return _recycle_range(jnp, tables.extent, tables.cursor, lengths[:, None], window, sinks,
+                          tables.page_size)
+
+
+def recycle_bounds_host(
+    extent: np.ndarray, cursor: np.ndarray, lengths, window: np.ndarray, sinks: np.ndarray, *,
+    page_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`recycle_bounds` on host NumPy arrays of any common shape (no device, no validation).
+
+    A scheduler that mirrors the block tables on the host (`models.engine`) calls it with its
+    copies of `extent` and `cursor`, so the mirror and `recycle` share one rule.
+
+    Args:
+      extent: allocated logical pages per head, any shape `S`.
+      cursor: recycle cursor per head, shape `S`.
+      lengths: tokens in the cache, broadcastable to `S` (e.g. a scalar for one row).
+      window: `S`, window per head (`<= 0` full).
+      sinks: `S`, sink tokens per head.
+      page_size: `P`.
+
+    Returns:
+      `(lo, hi)` NumPy arrays of shape `S`; `hi == lo` where nothing is released.
+    """
+    return _recycle_range(np, np.asarray(extent), np.asarray(cursor), np.asarray(lengths),
+                          np.asarray(window), np.asarray(sinks), page_size)
 
 
 def recycle(

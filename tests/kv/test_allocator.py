@@ -273,6 +273,35 @@ def test_worked_example(length, released):
     assert bool(ok) and _same((a, t), (a2, t2))
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 16], ids=lambda p: f"P{p}")
+def test_recycle_bounds_host_equals_device(page_size):
+    """`recycle_bounds_host` (the engine's host mirror) and `recycle_bounds` are one rule: equal
+    on random extents, cursors, lengths, windows (full, 1, within and beyond a page) and sinks,
+    row by row with a scalar length as the mirror calls it."""
+    g = rng(0)
+    b, k, m = 64, 5, 12
+    tables = kv.create_block_tables(batch_size=b, num_kv_heads=k, max_pages=m,
+                                    page_size=page_size)
+    extent = g.integers(0, m + 1, (b, k))
+    tables = tables.replace(extent=jnp.asarray(extent, jnp.int32),
+                            cursor=jnp.asarray(g.integers(0, extent + 1), jnp.int32))
+    lengths = g.integers(0, m * page_size + 1, b)
+    window = g.choice([-1, 0, 1, page_size - 1, page_size, 3 * page_size + 1, 40], (b, k))
+    sinks = g.choice([0, 1, page_size, 2 * page_size + 3], (b, k))
+    lo, hi = jax.jit(kv.recycle_bounds)(tables, lengths, window, sinks)
+    host = kv.recycle_bounds_host(np.asarray(tables.extent), np.asarray(tables.cursor),
+                                  lengths[:, None], window, sinks, page_size=page_size)
+    np.testing.assert_array_equal(host[0], np.asarray(lo))
+    np.testing.assert_array_equal(host[1], np.asarray(hi))
+    assert (host[1] > host[0]).any() and (host[1] == host[0]).any()  # both cases drawn
+    for r in range(b):
+        lo_r, hi_r = kv.recycle_bounds_host(np.asarray(tables.extent[r]),
+                                            np.asarray(tables.cursor[r]), int(lengths[r]),
+                                            window[r], sinks[r], page_size=page_size)
+        np.testing.assert_array_equal(lo_r, np.asarray(lo[r]))
+        np.testing.assert_array_equal(hi_r, np.asarray(hi[r]))
+
+
 def _grow_and_recycle(a, t, lengths, window, sinks):
     a, t, ok_alloc = kv.alloc_batch(a, t, kv.pages_needed(t, lengths))
     a, t, ok_recycle = kv.recycle(a, t, lengths, window=window, sinks=sinks)
