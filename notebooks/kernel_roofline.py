@@ -61,25 +61,41 @@ for name, data in tables.items():
 # implementation or the XLA reference of the same op on the same shapes, i.e. not one of our
 # own variants such as "ours bf16" for an fp8 row), its fraction of the ceiling is ours scaled
 # by the time ratio: `anchor roofline = roofline x ms / anchor_ms`. Rows whose GEMMs run in
-# fp8 can pass 1: their ceiling is the bf16 matmul peak.
+# fp8 can pass 1: their ceiling is the bf16 matmul peak. Multi-GPU rows (`multigpu.json`)
+# record no ceiling; their anchor is D times the one-GPU throughput (`ratio_to_D_x_one_gpu`).
 
 # %%
+NAN = float("nan")
+
+
 def same_work(row) -> bool:
     """Whether the anchor runs the same op on the same data (not another of our variants)."""
     return bool(row.get("anchor_ms")) and not row["anchor"].lower().startswith("our")
 
 
+def against_anchor(row, data) -> tuple[float, str]:
+    """`(speedup over the anchor, the anchor's name)`; NaN and "" for a row without one."""
+    if row.get("speedup_vs_anchor"):
+        return row["speedup_vs_anchor"], row["anchor"]
+    if row.get("ratio_to_D_x_one_gpu"):
+        return row["ratio_to_D_x_one_gpu"], f"{row['gpus']} x {data['one_gpu_baseline']}"
+    return NAN, ""
+
+
+def roofline(row) -> tuple[float, float]:
+    """`(our fraction of the ceiling, the anchor's where it does the same work)`, NaN if none."""
+    frac = row.get("fraction_of_ceiling") or NAN
+    return frac, frac * row["ms"] / row["anchor_ms"] if same_work(row) else NAN
+
+
 for name, data in tables.items():
     print(f"\n{name} ({data['device']})")
-    print(f"{'kernel':<22} {'case':<58} {'ms':>8} {'roofline':>8} {'anchor rl':>9} "
+    print(f"{'kernel':<22} {'case':<58} {'ms':>9} {'roofline':>8} {'anchor rl':>9} "
           f"{'x anchor':>8}  anchor")
     for r in data["rows"]:
-        frac = r.get("fraction_of_ceiling")
-        anchor_frac = frac * r["ms"] / r["anchor_ms"] if same_work(r) and frac else None
-        print(f"{r['kernel']:<22} {r['case']:<58} {r['ms']:>8.3f} "
-              f"{frac if frac is not None else float('nan'):>8.3f} "
-              f"{anchor_frac if anchor_frac is not None else float('nan'):>9.3f} "
-              f"{r['speedup_vs_anchor'] or float('nan'):>8.2f}  {r.get('anchor') or ''}")
+        speedup, anchor = against_anchor(r, data)
+        print(f"{r['kernel']:<22} {r['case']:<58} {r['ms']:>9.3f} {roofline(r)[0]:>8.3f} "
+              f"{roofline(r)[1]:>9.3f} {speedup:>8.2f}  {anchor}")
 
 # %% [markdown]
 # ## Plots
@@ -96,26 +112,23 @@ for name, data in tables.items():
     y = np.arange(len(rows))
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(15, 0.32 * len(rows) + 1.5), sharey=True)
     colors = ["tab:blue" if r.get("unit") == "TB/s" else "tab:orange" for r in rows]
-    ax0.barh(y, [r.get("fraction_of_ceiling") or 0 for r in rows], color=colors)
-    anchors = [(i, r["fraction_of_ceiling"] * r["ms"] / r["anchor_ms"]) for i, r in enumerate(rows)
-               if same_work(r) and r.get("fraction_of_ceiling")]
-    if anchors:
-        ax0.plot([a for _, a in anchors], [i for i, _ in anchors], "ko", ms=4, label="anchor")
+    ours, theirs = np.asarray([roofline(r) for r in rows]).T
+    ax0.barh(y, np.nan_to_num(ours), color=colors)
+    if np.isfinite(theirs).any():
+        ax0.plot(theirs, y, "ko", ms=4, label="anchor")
+        ax0.legend(loc="lower right")
     ax0.axvline(1.0, ls="--", color="gray")
     ax0.set(yticks=y, yticklabels=labels, xlabel="fraction of the ceiling (blue: "
             f"{UNIT['TB/s']}, orange: {UNIT['TFLOP/s']})")
     ax0.invert_yaxis()
-    if anchors:
-        ax0.legend(loc="lower right")
-    speed = [r.get("speedup_vs_anchor") or np.nan for r in rows]
+    speed, anchor = zip(*(against_anchor(r, data) for r in rows))
     ax1.barh(y, speed, color="tab:green")
     ax1.axvline(1.0, ls="--", color="gray")
     ax1.set_xscale("log")
     ax1.set(xlabel="speedup over the anchor (anchor ms / our ms)")
-    for i, r in enumerate(rows):
-        if r.get("anchor"):
-            ax1.annotate(r["anchor"], (ax1.get_xlim()[0], i), xytext=(3, 0),
-                         textcoords="offset points", va="center", fontsize=7)
+    for i, a in enumerate(anchor):
+        ax1.annotate(a, (ax1.get_xlim()[0], i), xytext=(3, 0), textcoords="offset points",
+                     va="center", fontsize=7)
     fig.suptitle(f"{name}: {data['device']}, commit {data['commit']}")
     fig.tight_layout()
     plt.show()
