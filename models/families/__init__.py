@@ -21,11 +21,15 @@ Adding a family (see `llama.py` and `qwen3.py`, ~100 lines each):
    rules=..., hf_architectures=("XForCausalLM",), ignore=..., gguf_architectures=(...),
    gguf_config=..., gguf_to_hf=..., gguf_fixup=...))` at module import, and import the module
    below. `from_pretrained`, `save`, `load` and `experiments/convert.py` then work unchanged.
+6. Engine (only for a mixer the built-in adapters do not serve). Subclass
+   `models.engine.adapters.MixerAdapter` (or one of its adapters), decorate it with
+   `register_adapter`, and import its module below (`pawqwen3_engine.py`).
 """
 
 from models.families.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from models.families.llama import LlamaForCausalLM
 from models.families.pawqwen3 import PawQwen3ForCausalLM
+from models.families.pawqwen3_engine import ElasticAdapter  # registers the engine adapter
 from models.families.qwen3 import Qwen3ForCausalLM
 from models.families.qwen3_5 import Qwen3_5ForCausalLM
 from models.families.qwen3_next import Qwen3NextForCausalLM
@@ -33,6 +37,7 @@ from models.families.qwen3_next import Qwen3NextForCausalLM
 __all__ = [
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "ElasticAdapter",
     "LlamaForCausalLM",
     "PawQwen3ForCausalLM",
     "Qwen3ForCausalLM",

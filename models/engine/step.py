@@ -1,0 +1,162 @@
+"""The engine's device side: its state, the attend object handed to the model, the jitted step.
+
+Two jitted step functions with static shapes, both over `B` batch slots and the same state
+(`EngineKV`): the mixed step (`T = chunk` tokens per slot: a prompt chunk over the row's cached
+prefix, or one decode token, rows padded to `T`) and the decode step (`T = 1`). A step allocates
+the pages its new tokens need once before the layers (`kv.alloc_batch`), runs
+`CausalLM.forward` with a `PagedAttend` (every layer reaches its own state through its adapter,
+`models.engine.adapters`), recycles once after them (`kv.recycle`: streaming heads give back the
+pages outside sink + window), so 30 layers do not compile 30 allocators, then samples the next
+token of every row from its last real position (`models.engine.sampling`).
+
+Windows and sinks are data (`[B, L, K]` int32), so requests with different policies share a
+batch and a compilation; nothing is vmapped over rows, which jax-triton's kernels could not be.
+The adapters are a static argument: engines over equal layers share a compilation, and `TRACES`
+counts how often each step was traced.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Int
+
+import kv
+from models.engine.adapters import MixerAdapter
+from models.engine.sampling import sample
+
+TRACES = collections.Counter()  # ("mixed" | "decode") -> times the step was traced (compiled)
+
+
+class EngineKV(NamedTuple):
+    """The engine's device state.
+
+    Attributes:
+      pools: one state per model layer, made by its adapter: a `kv.PagePool` `[K, num_pages, P,
+        H]` (attention), a `kv.LatentPool` `[num_pages, P, L + R]` (MLA) or a `kv.SlotPool` (GDN:
+        conv `[B + 1, C, W - 1]`, ssm `[B + 1, Nv, H, Hv]` float32; row `r` owns slot `r + 1`).
+      tables: `BlockTables` over the paged layers' heads, `[B, Lp * K, max_pages]`: the `p`-th
+        paged layer (in model order), head `k` is entry `p * K + k`. One table and one
+        allocator for every layer, so the step allocates once before the layers and recycles
+        once after them; page ids of a layer index that layer's pool.
+      allocator: `PageAllocator` over the same `Lp * K` heads.
+    """
+
+    pools: list[Any]
+    tables: kv.BlockTables
+    allocator: kv.PageAllocator
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttend:
+    """The attend object of one step: every layer's call goes to its adapter, with this as `ctx`.
+
+    Attention layers call the object itself, MLA layers `mla_attend`, GDN layers `gdn_mix` (the
+    layers' protocol, `models.layers`); each dispatches on `spec.layer` to
+    `adapters[layer].attend(self, spec, inputs, state)`. The pages the new tokens need are
+    allocated before the layers run (`table` already holds them).
+
+    Attributes:
+      offsets: `[B]` int32 tokens cached before this step (position of token 0).
+      num_new: `[B]` int32 real tokens of this step per row (0 = idle slot).
+      table: `[B, Lp * K, max_pages]` int32 block tables of every paged layer (see `EngineKV`).
+      window: `[B, L, K]` int32 effective window per row, layer and head (`<= 0` full).
+      sinks: `[B, L, K]` int32.
+      page_size: `P`.
+      adapters: static, one per model layer.
+      decode: True for the `T = 1` step.
+      implementation: attention backend.
+    """
+
+    offsets: Int[Array, "B"]  # noqa: F821
+    num_new: Int[Array, "B"]  # noqa: F821
+    table: Int[Array, "B LK M"]
+    window: Int[Array, "B L K"]
+    sinks: Int[Array, "B L K"]
+    page_size: int
+    adapters: tuple[MixerAdapter, ...]
+    decode: bool = False
+    implementation: str = "auto"
+
+    @property
+    def paged(self) -> tuple[int, ...]:
+        """Model indices of the paged layers (`p`-th entry: table block `p`)."""
+        return tuple(i for i, a in enumerate(self.adapters) if a.paged)
+
+    def layer_table(self, layer: int, num_kv: int) -> Int[Array, "B K M"]:
+        """The block table `[B, K, M]` of one paged layer."""
+        p = self.paged.index(layer)
+        return self.table[:, p * num_kv:(p + 1) * num_kv]
+
+    def __call__(self, spec, qkv, state):
+        return self.adapters[spec.layer].attend(self, spec, qkv, state)
+
+    def mla_attend(self, spec, proj, state):
+        return self.adapters[spec.layer].attend(self, spec, proj, state)
+
+    def gdn_mix(self, spec, inputs, state):
+        return self.adapters[spec.layer].attend(self, spec, inputs, state)
+
+
+def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds, temperature,
+          top_k, top_p, *, decode, implementation, adapters, counter):
+    counter["decode" if decode else "mixed"] += 1  # trace time only: counts compilations
+    model = nnx.merge(graphdef, params)
+    pools, tables, allocator = states
+    batch = window.shape[0]
+    lengths = offsets + num_new
+    allocator, tables, _ = kv.alloc_batch(allocator, tables, kv.pages_needed(tables, lengths))
+    positions = offsets[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
+    attend = PagedAttend(offsets, num_new, tables.table, window, sinks, tables.page_size,
+                         adapters, decode=decode, implementation=implementation)
+    hidden, pools = model.forward(ids, positions, attend=attend, states=pools)
+    paged = attend.paged
+    decisions = None  # [B, L, K] int32 decisions of routed layers (mixed step), -1 = none
+    if not decode and any(a.routed for a in adapters):
+        none = jnp.full((batch, tables.table.shape[1] // len(paged)), -1, jnp.int32)
+        decisions = jnp.stack([p[1] if a.routed else none for a, p in zip(adapters, pools)],
+                              axis=1)
+        pools = [p[0] if a.routed else p for a, p in zip(adapters, pools)]
+    # Streaming heads release the pages no later query sees (after every layer's attention).
+    index = np.asarray(paged)
+    allocator, tables, _ = kv.recycle(allocator, tables, lengths,
+                                      window=window[:, index].reshape(batch, -1),
+                                      sinks=sinks[:, index].reshape(batch, -1))
+    states = EngineKV(pools, tables, allocator)
+    last = jnp.clip(num_new - 1, 0, ids.shape[1] - 1)
+    h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [B, 1, D]
+    logits = model.logits(h)[:, 0]
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(
+        seeds, offsets + num_new)
+    tokens = sample(logits, keys, temperature, top_k, top_p)
+    return tokens, logits.astype(jnp.float32), states, decisions
+
+
+def _free_rows(states: EngineKV, rows, *, adapters) -> EngineKV:
+    """Free the pages of the rows in `rows` (`[B]` bool) and reset their slots (GDN: zeros)."""
+    allocator, tables, _ = kv.free_batch(states.allocator, states.tables, rows)
+    slots = jnp.where(rows, jnp.arange(rows.shape[0], dtype=jnp.int32) + 1, kv.NULL_SLOT)
+    pools = [a.reset(p, slots) for a, p in zip(adapters, states.pools)]
+    return EngineKV(pools, tables, allocator)
+
+
+free_rows = jax.jit(_free_rows, static_argnames="adapters", donate_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnums=0,
+                   static_argnames=("decode", "implementation", "adapters"), donate_argnums=2)
+def jit_step(graphdef, params, states, *args, decode, implementation, adapters):
+    """The jitted step (donates `states`): `(tokens [B], logits [B, V] float32, states,
+    decisions [B, L, K] int32 or None)`."""
+    return _step(graphdef, params, states, *args, decode=decode, implementation=implementation,
+                 adapters=adapters, counter=TRACES)
+
+
+__all__ = ["TRACES", "EngineKV", "PagedAttend", "free_rows", "jit_step"]
