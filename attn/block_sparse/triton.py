@@ -65,7 +65,7 @@ from attn import _checks
 from attn._grad import with_reference_gradient
 from attn._harness import on_gpu, triton_call
 from attn.block_sparse import reference
-from attn.dense.triton import _load, _masked_softmax_step, _whole_softmax_step
+from attn.dense._flash_tiles import _load, _masked_softmax_step, _whole_softmax_step
 
 LOG2E = math.log2(math.e)
 _MAX_HEAD_DIM = 256

@@ -43,7 +43,7 @@ from attn import _checks
 from attn._grad import with_reference_gradient
 from attn._harness import triton_call
 from attn.dense import reference
-from attn.dense.triton import _key_tiles, _masked_softmax_step, _visible
+from attn.dense._flash_tiles import _key_tiles, _masked_softmax_step, _visible
 
 LOG2E = math.log2(math.e)
 _MAX_HEAD_DIM = 256
