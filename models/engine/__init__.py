@@ -3,10 +3,18 @@
     engine = Engine(model, batch_slots=4, max_len=1024, policy=Policy.headwise(L, K, ...))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=16))
 
-Parts: `requests` (request types), `adapters` (per-mixer adapters in a registry keyed by layer
-kind; families register their own), `step` (device state and the jitted step), `sampling`,
-`scheduler` (slots, preemption, host page mirror), `engine` (`Engine`). See `engine`'s module
-docstring for the design.
+The package in parts:
+
+* `requests` — `Request`, `SamplingParams`, `Policy` (host data);
+* `adapters` — one adapter per mixer kind, in a registry keyed by layer kind: attention (paged
+  KV), MLA (paged latent), Gated DeltaNet (per-row slots); a family registers its own (PawQwen3's
+  elastic attention: `models/families/pawqwen3_engine.py`); the package imports no family;
+* `step` — the device state (`EngineKV`), the attend object handed to the model, the jitted
+  mixed (`T = chunk`) and decode (`T = 1`) steps;
+* `sampling` — greedy / temperature / top-k / top-p inside the step;
+* `scheduler` — slots, admission, preemption and the host mirror of the page accounting, which
+  shares its recycle rule with `kv` (`kv.recycle_bounds_host`);
+* `engine` — `Engine`, which ties them together (its docstring has the design).
 """
 
 from models.engine.adapters import MixerAdapter, register_adapter

@@ -1,17 +1,8 @@
-"""Generation engine: paged KV, fixed batch slots, chunked prefill, continuous batching, sampling.
+"""`Engine`: continuous batching over fixed slots, chunked prefill, paged per-head KV, sampling.
 
-The package in parts:
-
-* `requests` — `Request`, `SamplingParams`, `Policy` (host data);
-* `adapters` — one adapter per mixer kind, in a registry keyed by layer kind: attention (paged
-  KV), MLA (paged latent), Gated DeltaNet (per-row slots); a family registers its own (PawQwen3's
-  elastic attention lives in `models/families/pawqwen3_engine.py`); the package imports no family;
-* `step` — the device state (`EngineKV`), the attend object handed to the model and the jitted
-  mixed (`T = chunk`) and decode (`T = 1`) steps;
-* `sampling` — greedy / temperature / top-k / top-p inside the step;
-* `scheduler` — slots, admission, preemption and the host mirror of the page accounting, which
-  shares its recycle rule with `kv` (`kv.recycle_bounds_host`);
-* this module — `Engine`, which ties them together.
+It ties the package's parts together (`models.engine`'s docstring lists them): requests are
+queued and placed in slots by the `Scheduler`, each step's host arrays go to the jitted step
+(`models.engine.step`), whose layers reach their state through their adapters.
 
 Every active slot feeds its uncached tokens each step, up to `chunk` of them (a prompt chunk over
 its cached prefix, or one decode token); the decode step runs when every active slot decodes.
