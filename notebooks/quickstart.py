@@ -23,14 +23,14 @@
 #    (`model(ids, attend=...)`) and a per-layer, per-head `Policy` in the engine;
 # 4. KV bytes per request under each policy, measured by the engine's page accounting.
 #
-# `GPU = False` runs on a laptop CPU in about a minute (float32, a 512-token context);
+# `GPU = False` runs on a laptop CPU in about a minute (float32, a 256-token context);
 # `GPU = True` uses bfloat16 and an 8K-token context.
 
 # %%
 # ruff: noqa: E402 (the setting comes first, the imports after it)
 GPU = False
 
-DTYPE, CONTEXT, WINDOW, SINKS = ("bfloat16", 8192, 1024, 128) if GPU else ("float32", 512, 64, 16)
+DTYPE, CONTEXT, WINDOW, SINKS = ("bfloat16", 8192, 1024, 128) if GPU else ("float32", 256, 32, 8)
 
 # %%
 import dataclasses
