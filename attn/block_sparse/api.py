@@ -13,7 +13,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from attn import _checks
-from attn._harness import resolve_implementation
+from attn._op import Backend, op
 from attn.block_sparse import reference
 
 _MODES = (reference.MODE_STREAMING, reference.MODE_FULL, reference.MODE_BLOCK_SPARSE)
@@ -156,6 +156,34 @@ def _check_sparse_has_mask(head_mask_type, block_mask) -> None:
         raise ValueError("head_mask_type has block-sparse heads (mode 1) but block_mask=None")
 
 
+def _attention_xla(*, head_mask_type, sink_blocks, local_blocks, **args):
+    n = head_mask_type.shape[1]
+    return _attention(head_mask_type=head_mask_type, sink_blocks=_per_head(sink_blocks, n),
+                      local_blocks=_per_head(local_blocks, n), **args)
+
+
+def _triton_config(args):
+    from attn.block_sparse import triton
+
+    return triton.default_config(args["q"].shape[-1], args["v"].shape[-1])
+
+
+# `block_sparse_attention`'s backends, in `auto`'s order of preference on a GPU; the kernels are
+# forward only, so their gradient is the reference's.
+_BACKENDS = (
+    Backend(name="mosaic", run="attn.block_sparse.mosaic:block_sparse_attention",
+            supports="attn.block_sparse.mosaic:supports", backward=lambda args: ["no backward"],
+            config_type="attn.block_sparse.mosaic:Config",
+            default_config="attn.block_sparse.mosaic:default_config"),
+    Backend(name="triton", run="attn.block_sparse.triton:block_sparse_attention",
+            supports="attn.block_sparse.triton:supports", backward=lambda args: ["no backward"],
+            config_type="attn.block_sparse.triton:Config", default_config=_triton_config,
+            tuning_key=lambda args: f"H{args['q'].shape[-1]}-bs{args['block_size']}"),
+    Backend(name="xla", run=_attention_xla, platforms=("cpu", "gpu")),
+)
+
+
+@op(name="block_sparse_attention", backends=_BACKENDS)
 def block_sparse_attention(
     q: Float[Array, "B T N H"],
     k: Float[Array, "B S K H"],
@@ -169,7 +197,6 @@ def block_sparse_attention(
     q_lengths: Int[Array, " B"] | None = None,
     kv_lengths: Int[Array, " B"] | None = None,
     scale: float | None = None,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
     """Causal prefill attention with a mode per request and query head (Block-Sparse-Attention).
 
@@ -199,6 +226,9 @@ def block_sparse_attention(
         (`attn/block_sparse/mosaic.py`: the same on Hopper through Mosaic GPU; T == S, full
         lengths, block 128) or `"auto"` (on a GPU the first of mosaic, triton that takes the
         shapes, XLA where neither does).
+      config: a launch config of the backend it names (`attn.block_sparse.triton.Config`, or
+        `attn.block_sparse.mosaic.Config`); default: the backend's heuristic and the tuning
+        cache.
 
     Returns:
       `(out [B, T, N, Hv] in q.dtype, lse [B, T, N] float32)`. A row with no visible key gives
@@ -207,8 +237,8 @@ def block_sparse_attention(
     Raises:
       ValueError: bad ranks, shapes, modes, counts, lengths, block size or implementation name.
       TypeError: wrong dtypes.
-      NotImplementedError: a backend this op does not have; `"triton"` with shapes the kernel
-        refuses (head dims over 256, block sizes under 16).
+      NotImplementedError: a backend this op does not have, or one whose `supports` gives
+        reasons (`"triton"`: head dims over 256, block sizes under 16).
     """
     check_geometry(q, k, block_size=block_size, q_lengths=q_lengths, kv_lengths=kv_lengths)
     _checks.check_rank("v", v, 4, "B S K Hv")
@@ -225,26 +255,10 @@ def block_sparse_attention(
     _check_blocks_count("sink_blocks", sink_blocks, N)
     _check_blocks_count("local_blocks", local_blocks, N)
     scale = _checks.check_scale(scale)
-    impl = resolve_implementation(implementation, supported=("mosaic", "triton", "xla"))
-    while impl != "xla":
-        if impl == "mosaic":
-            from attn.block_sparse import mosaic as kernel
-        else:
-            from attn.block_sparse import triton as kernel
-        try:  # refuses unsupported shapes before launching anything
-            return kernel.block_sparse_attention(
-                q, k, v, head_mask_type.astype(jnp.int32), block_mask, block_size=block_size,
-                sink_blocks=_per_head(sink_blocks, N), local_blocks=_per_head(local_blocks, N),
-                q_lengths=q_lengths, kv_lengths=kv_lengths,
+    return dict(q=q, k=k, v=v, head_mask_type=head_mask_type.astype(jnp.int32),
+                block_mask=block_mask, block_size=block_size, sink_blocks=sink_blocks,
+                local_blocks=local_blocks, q_lengths=q_lengths, kv_lengths=kv_lengths,
                 scale=None if scale is None else float(scale))
-        except NotImplementedError:
-            if implementation == impl:  # asked for by name: say why not
-                raise
-            impl = {"mosaic": "triton", "triton": "xla"}[impl]
-    return _attention(
-        q, k, v, head_mask_type.astype(jnp.int32), block_mask, block_size=block_size,
-        sink_blocks=_per_head(sink_blocks, N), local_blocks=_per_head(local_blocks, N),
-        q_lengths=q_lengths, kv_lengths=kv_lengths, scale=None if scale is None else float(scale))
 
 
 def replace_ones_with_count(head_mask_type: Int[Array, "*B N"]) -> Int[Array, "*B N"]:

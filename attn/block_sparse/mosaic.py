@@ -15,14 +15,15 @@ L2), then query tiles (longest lists first), then KV heads, then requests, as th
 `kv_head_major` order (measured there: at 10% random masks the blocks then come from L2).
 
 Supports: `T == S`, full lengths (no `q_lengths` / `kv_lengths` shorter than the arrays),
-`block_size` 128, `H == Hv` in {64, 128}, bf16 / f16, `T` a multiple of 128. Anything else raises
-NotImplementedError (the public API then runs the Triton kernel). Forward only; the public op
-takes its gradient from the reference, as the Triton kernel does. On a CPU it runs in Pallas's
-Mosaic GPU interpreter with `interpret=True` (the tests; see `attn.dense.mosaic.Config`).
+`block_size` 128, `H == Hv` in {64, 128}, bf16 / f16, `T` a multiple of 128. `supports` says
+why not for anything else (the public op then runs the Triton kernel). Forward only; the public op
+takes its gradient from the reference, as for the Triton kernel. On a CPU it runs in Pallas's
+Mosaic GPU interpreter with `Config(interpret=True)` (the tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,7 +32,6 @@ import numpy as np
 from jax import lax
 
 from attn import _checks
-from attn._grad import with_reference_gradient
 from attn.block_sparse import reference
 from attn.block_sparse.triton import block_lists
 from attn.dense import mosaic as dense_mosaic
@@ -39,30 +39,41 @@ from attn.dense import mosaic as dense_mosaic
 _BLOCK = 128  # tokens a block = rows a program = keys a step
 
 
-def check_supported(q, k, v, *, block_size: int, q_lengths, kv_lengths,
-                    device: bool = True) -> None:
-    """Raise NotImplementedError, naming the value, for what this kernel does not do (`device`:
-    also without a Hopper GPU)."""
-    def refuse(why):
-        raise NotImplementedError(f"Mosaic GPU block-sparse kernel: {why}")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """The tile schedule is fixed (128-token blocks, two 64-row compute groups, two slots);
+    `interpret` runs Pallas's Mosaic GPU interpreter (on the CPU: the tests)."""
 
+    interpret: bool = False
+
+
+def default_config(args: dict) -> Config:
+    """The schedule is fixed: compiled, not interpreted."""
+    del args
+    return Config()
+
+
+def supports(args: dict, config: Config) -> list[str]:
+    """Why this kernel cannot run `attn.block_sparse.block_sparse_attention`'s validated `args`
+    (without `config.interpret`, also without a Hopper GPU)."""
+    q, v, block_size = args["q"], args["v"], args["block_size"]
     (_, t, _, h), (_, s, _, hv) = q.shape, v.shape
+    reasons = [] if config.interpret else dense_mosaic.device_reasons()
     if block_size != _BLOCK:
-        refuse(f"block_size={block_size}: only {_BLOCK}")
+        reasons.append(f"block_size={block_size}: only {_BLOCK}")
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        refuse(f"dtype {q.dtype}: bfloat16 or float16 only")
+        reasons.append(f"dtype {q.dtype}: bfloat16 or float16 only")
     if h != hv or h not in dense_mosaic._HEAD_DIMS:
-        refuse(f"H={h}, Hv={hv}: needs H == Hv in {dense_mosaic._HEAD_DIMS}")
+        reasons.append(f"H={h}, Hv={hv}: needs H == Hv in {dense_mosaic._HEAD_DIMS}")
     if t != s or t % _BLOCK:
-        refuse(f"T={t}, S={s}: needs T == S, a multiple of {_BLOCK}")
-    for name, lengths in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)):
-        if lengths is None:
-            continue
-        got = _checks.concrete(lengths)
-        if got is None or np.any(got != t):
-            refuse(f"{name}={lengths!r}: only the full length {t}")
-    if device:
-        dense_mosaic.check_device()
+        reasons.append(f"T={t}, S={s}: needs T == S, a multiple of {_BLOCK}")
+    for name in ("q_lengths", "kv_lengths"):
+        lengths = args[name]
+        if lengths is not None:
+            got = _checks.concrete(lengths)
+            if got is None or np.any(got != t):
+                reasons.append(f"{name}={lengths!r}: only the full length {t}")
+    return reasons
 
 
 def _launch(q, k, v, blocks, count, whole, *, scale: float, interpret: bool):
@@ -100,39 +111,24 @@ def _block_sparse(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks
         sink_blocks=sink_blocks, local_blocks=local_blocks, q_lengths=lengths,
         kv_lengths=lengths)
     blocks, count, whole = block_lists(eff, lengths, lengths, block_size)
-
-    def kernel_fn(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, blocks, count,
-                  whole):
-        return _launch(q, k, v, blocks, count, whole, scale=scale, interpret=interpret)
-
-    def reference_fn(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, *_):
-        return reference.block_sparse_attention(
-            q, k, v, head_mask_type, block_mask, block_size=block_size, sink_blocks=sink_blocks,
-            local_blocks=local_blocks, scale=scale)
-
-    return with_reference_gradient(kernel_fn, reference_fn)(
-        q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, blocks, count, whole)
+    return _launch(q, k, v, blocks, count, whole, scale=scale, interpret=interpret)
 
 
 def block_sparse_attention(q, k, v, head_mask_type, block_mask=None, *, block_size=128,
                            sink_blocks=1, local_blocks=16, q_lengths=None, kv_lengths=None,
-                           scale=None, interpret: bool = False):
-    """Block-sparse prefill through the Mosaic GPU kernel; arguments as
-    `attn.block_sparse.block_sparse_attention` (validated there), plus `interpret` (Pallas's
-    Mosaic GPU interpreter, on the CPU: `attn.dense.mosaic.Config.interpret`). Differentiable:
-    the backward is the reference's.
+                           scale=None, config: Config | None = None):
+    """Block-sparse prefill through the Mosaic GPU kernel (forward only); arguments as
+    `attn.block_sparse.block_sparse_attention` (validated there, and `supports` empty), plus
+    `config`. The public op differentiates it through the reference (`attn._op`).
 
     Returns:
       `(out [B, T, N, H] in q's dtype, lse [B, T, N] float32)`.
-
-    Raises:
-      NotImplementedError: see `check_supported` (the caller falls back to Triton).
     """
-    check_supported(q, k, v, block_size=block_size, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                    device=not interpret)
+    del q_lengths, kv_lengths  # full lengths only (`supports`)
+    config = config or Config()
     n = q.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     per_head = [jnp.broadcast_to(jnp.asarray(x, jnp.int32), (n,))
                 for x in (sink_blocks, local_blocks)]
     return _block_sparse(q, k, v, jnp.asarray(head_mask_type, jnp.int32), block_mask, *per_head,
-                         block_size=block_size, scale=scale, interpret=interpret)
+                         block_size=block_size, scale=scale, interpret=config.interpret)

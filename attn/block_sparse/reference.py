@@ -23,7 +23,7 @@ grid is fixed at 128); other powers of two define the same semantics on a finer 
 """
 
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Int
 
 from attn.dense import reference as dense_reference
 
@@ -61,40 +61,13 @@ def diagonal_blocks(
     return jnp.minimum(d, last[:, None])
 
 
-def effective_block_mask(
-    head_mask_type: Int[Array, "B N"],
-    block_mask: Bool[Array, "B N Tb Sb"] | None,
-    *,
-    num_q_tokens: int,
-    num_kv_tokens: int,
-    block_size: int = 128,
-    sink_blocks: int | Int[Array, " N"] = 1,
-    local_blocks: int | Int[Array, " N"] = 16,
-    q_lengths: Int[Array, " B"] | None = None,
-    kv_lengths: Int[Array, " B"] | None = None,
-) -> Bool[Array, "B N Tb Sb"]:
-    """The key blocks each (request, query head, query tile) visits.
-
-    Dense rows hold every block `j <= d(r)`; block-sparse rows hold the `block_mask` row clipped to
-    `j <= d(r)`; streaming rows hold `{j : d(r) - local_blocks < j <= d(r)} ∪ {j : j <
-    sink_blocks}` clipped to `j <= d(r)` (the two sets merge without a gap when they overlap).
-    Every row also drops blocks past the request's keys (`j >= ceil(kv_len / block_size)`) and tiles
-    past its queries (`r >= ceil(q_len / block_size)`).
-
-    Args:
-      head_mask_type: `[B, N]` int32 mode per request and query head (0, 1 or -1).
-      block_mask: `[B, N, Tb, Sb]` bool, read for mode-1 heads only; None reads as all False.
-      num_q_tokens: T, the padded query length (`Tb = ceil(T / block_size)`).
-      num_kv_tokens: S, the padded key length (`Sb = ceil(S / block_size)`).
-      block_size: tile size of both axes.
-      sink_blocks: sink blocks of streaming heads; an int or `[N]` int32.
-      local_blocks: local blocks (diagonal included) of streaming heads; an int or `[N]` int32.
-      q_lengths: `[B]` int32 valid queries per request; default T.
-      kv_lengths: `[B]` int32 valid keys per request; default S.
-
-    Returns:
-      `[B, N, Tb, Sb]` bool.
-    """
+def effective_block_mask(head_mask_type, block_mask, *, num_q_tokens, num_kv_tokens, block_size=128,
+                         sink_blocks=1, local_blocks=16, q_lengths=None, kv_lengths=None):
+    """Specification of `attn.block_sparse.effective_block_mask`, the key blocks each (request,
+    query head, query tile) visits. With the diagonal `d(r)` (`diagonal_blocks`): dense rows hold
+    every block `j <= d(r)`; block-sparse rows the `block_mask` row (None: all False) clipped to
+    `j <= d(r)`; streaming rows `{d(r) - local_blocks < j <= d(r)} ∪ {j < sink_blocks}` clipped
+    to `j <= d(r)`. Every row drops blocks past the request's keys and tiles past its queries."""
     B, N = head_mask_type.shape
     Tb, Sb = _cdiv(num_q_tokens, block_size), _cdiv(num_kv_tokens, block_size)
     q_len = _lengths(q_lengths, num_q_tokens, B)
@@ -135,37 +108,12 @@ def token_mask(
     return blocks[..., :S] & (s <= kv_len - q_len + t) & (s < kv_len) & (t < q_len)
 
 
-def block_sparse_attention(
-    q: Float[Array, "B T N H"],
-    k: Float[Array, "B S K H"],
-    v: Float[Array, "B S K Hv"],
-    head_mask_type: Int[Array, "B N"],
-    block_mask: Bool[Array, "B N Tb Sb"] | None = None,
-    *,
-    block_size: int = 128,
-    sink_blocks: int | Int[Array, " N"] = 1,
-    local_blocks: int | Int[Array, " N"] = 16,
-    q_lengths: Int[Array, " B"] | None = None,
-    kv_lengths: Int[Array, " B"] | None = None,
-    scale: float | None = None,
-) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
-    """Causal block-sparse attention with a mode per (request, query head).
-
-    Args:
-      q: `[B, T, N, H]` queries (the last `q_len` positions of each request's keys).
-      k: `[B, S, K, H]` keys; query head n reads KV head `n // (N // K)`.
-      v: `[B, S, K, Hv]` values.
-      head_mask_type: `[B, N]` int32 modes (0 full, 1 block-sparse, -1 streaming).
-      block_mask: `[B, N, ceil(T/bs), ceil(S/bs)]` bool, rows of mode-1 heads; others ignored.
-      block_size: tile size (128 for parity with Block-Sparse-Attention).
-      sink_blocks, local_blocks: streaming geometry, an int or `[N]` int32.
-      q_lengths, kv_lengths: `[B]` int32 valid lengths; default T and S.
-      scale: softmax scale, default `H ** -0.5`.
-
-    Returns:
-      `(out [B, T, N, Hv] in q.dtype, lse [B, T, N] float32)`; rows with no visible key (and
-      padding rows `t >= q_len`) give 0 and -inf.
-    """
+def block_sparse_attention(q, k, v, head_mask_type, block_mask=None, *, block_size=128,
+                           sink_blocks=1, local_blocks=16, q_lengths=None, kv_lengths=None,
+                           scale=None):
+    """Specification of `attn.block_sparse.block_sparse_attention`: dense `masked_attention`
+    under `token_mask` of `effective_block_mask`; padding is zeroed first so 0-weight keys
+    cannot make `0 * NaN`."""
     B, T = q.shape[:2]
     S = k.shape[1]
     q_len = _lengths(q_lengths, T, B)

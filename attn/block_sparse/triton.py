@@ -48,8 +48,9 @@ past `q_len` give 0 / -inf.
 
 Supports: any group size, `H` / `Hv` up to 256 (padded and masked), bf16 / f16 / f32, block sizes
 that are powers of two >= 16, `q_len <= kv_len` or not. The kernel is forward only; the public op
-takes its gradient from the reference (`attn._grad.with_reference_gradient`).
-Not supported (NotImplementedError): head dims over 256, block sizes under 16.
+takes its gradient from the reference (`attn._op`, `attn._grad`).
+Not supported (`supports` says why; `"auto"` then runs XLA): head dims over 256, block sizes
+under 16.
 """
 
 import dataclasses
@@ -62,7 +63,6 @@ import triton
 import triton.language as tl
 
 from attn import _checks
-from attn._grad import with_reference_gradient
 from attn._harness import on_gpu, triton_call
 from attn.block_sparse import reference
 from attn.dense._flash_tiles import _load, _masked_softmax_step, _whole_softmax_step
@@ -353,15 +353,16 @@ def _block_sparse_kernel(
     tl.store(lse_ptr + q_rows, lse, mask=store_ok)
 
 
-def check_supported(q, v, *, block_size: int) -> None:
-    """Raise NotImplementedError for what the kernel does not do (the API then uses XLA)."""
-    h, hv = q.shape[-1], v.shape[-1]
+def supports(args: dict, config=None) -> list[str]:
+    """Why this kernel cannot run `attn.block_sparse.block_sparse_attention`'s validated `args`."""
+    del config
+    h, hv, block_size = args["q"].shape[-1], args["v"].shape[-1], args["block_size"]
+    reasons = []
     if max(h, hv) > _MAX_HEAD_DIM:
-        raise NotImplementedError(f"head dims H={h}, Hv={hv} over {_MAX_HEAD_DIM} are not "
-                                  f"supported by the Triton block-sparse kernel")
+        reasons.append(f"head dims H={h}, Hv={hv} over {_MAX_HEAD_DIM}")
     if block_size < 16:
-        raise NotImplementedError(f"{block_size=}: the Triton block-sparse kernel needs blocks "
-                                  f"of at least 16 tokens")
+        reasons.append(f"{block_size=}: blocks of at least 16 tokens")
+    return reasons
 
 
 def _launch(q, k, v, blocks, count, whole, q_lengths, kv_lengths, *, scale, block_size, config):
@@ -401,38 +402,21 @@ def _block_sparse(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks
         head_mask_type, block_mask, num_q_tokens=t, num_kv_tokens=s, block_size=block_size,
         sink_blocks=sink_blocks, local_blocks=local_blocks, q_lengths=q_len, kv_lengths=kv_len)
     blocks, count, whole = block_lists(eff, q_len, kv_len, block_size)
-
-    def kernel_fn(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len,
-                  blocks, count, whole):
-        return _launch(q, k, v, blocks, count, whole, q_len, kv_len, scale=scale,
-                       block_size=block_size, config=config)
-
-    def reference_fn(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len,
-                     kv_len, *_):
-        return reference.block_sparse_attention(
-            q, k, v, head_mask_type, block_mask, block_size=block_size, sink_blocks=sink_blocks,
-            local_blocks=local_blocks, q_lengths=q_len, kv_lengths=kv_len, scale=scale)
-
-    return with_reference_gradient(kernel_fn, reference_fn)(
-        q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len, blocks,
-        count, whole)
+    return _launch(q, k, v, blocks, count, whole, q_len, kv_len, scale=scale,
+                   block_size=block_size, config=config)
 
 
 def block_sparse_attention(q, k, v, head_mask_type, block_mask=None, *, block_size=128,
                            sink_blocks=1, local_blocks=16, q_lengths=None, kv_lengths=None,
                            scale=None, config: Config | None = None):
-    """Block-sparse prefill through the kernel; arguments as
-    `attn.block_sparse.block_sparse_attention` (validated there; `sink_blocks` / `local_blocks`
-    ints or `[N]` int32), plus `config` (default: `default_config`). Differentiable: the backward
-    is the reference's.
+    """Block-sparse prefill through the kernel (forward only); arguments as
+    `attn.block_sparse.block_sparse_attention` (validated there, and `supports` empty;
+    `sink_blocks` / `local_blocks` ints or `[N]` int32), plus `config` (default:
+    `default_config`). The public op differentiates it through the reference (`attn._op`).
 
     Returns:
       `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`.
-
-    Raises:
-      NotImplementedError: see `check_supported` (the caller falls back to XLA).
     """
-    check_supported(q, v, block_size=block_size)
     n = q.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if config is None:

@@ -3,8 +3,7 @@ backend.
 
 `causal_conv1d_update_pool` has a Triton kernel (`attn/conv1d/triton.py`) and `causal_conv1d` /
 `causal_conv1d_prefill_pool` one for prefill (`attn/conv1d/triton_prefill.py`), the defaults on a
-GPU; `causal_conv1d_update` is XLA only and raises NotImplementedError for
-`implementation="triton"`.
+GPU; `causal_conv1d_update` is XLA only and takes no `implementation=`.
 Semantics and layouts are documented in `attn/conv1d/reference.py`.
 """
 
@@ -15,7 +14,6 @@ from attn import _checks
 from attn._harness import resolve_implementation
 from attn.conv1d import reference
 
-_SUPPORTED = ("xla",)
 _UPDATE_POOL_SUPPORTED = ("triton", "xla")
 _PREFILL_SUPPORTED = ("triton", "xla")
 
@@ -157,10 +155,9 @@ def causal_conv1d_update(
     weight: Float[Array, "C W"],
     bias: Float[Array, " C"] | None = None,
     activation: str | None = None,
-    *,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B C"], Float[Array, "B C Wm1"]]:
-    """One decode step of the causal conv.
+    """One decode step of the causal conv; XLA only (`causal_conv1d_update_pool` has the
+    kernel).
 
     Args:
       x: `[B, C]` the new token.
@@ -168,7 +165,6 @@ def causal_conv1d_update(
       weight: `[C, W]`.
       bias: `[C]` or None.
       activation: `"silu"` or None.
-      implementation: `"xla"` or `"auto"`.
 
     Returns:
       `(y [B, C] in x.dtype, new_state [B, C, W - 1] in conv_state.dtype)`.
@@ -180,7 +176,6 @@ def causal_conv1d_update(
     _check_x(x, 2, "B C")
     width = _check_weight(weight, bias, x.shape[1], activation)
     _check_state("conv_state", conv_state, x.shape[0], x.shape[1], width)
-    resolve_implementation(implementation, supported=_SUPPORTED)
     return reference.causal_conv1d_update(x, conv_state, weight, bias, activation)
 
 

@@ -32,29 +32,9 @@ def _activate(y: jax.Array, activation: str | None) -> jax.Array:
     return jax.nn.silu(y) if activation == "silu" else y
 
 
-def causal_conv1d(
-    x: Float[Array, "B T C"],
-    weight: Float[Array, "C W"],
-    bias: Float[Array, " C"] | None = None,
-    *,
-    initial_state: Float[Array, "Ns C Wm1"] | None = None,
-    activation: str | None = None,
-    cu_seqlens: Int[Array, " Ns+1"] | None = None,
-) -> tuple[Float[Array, "B T C"], Float[Array, "Ns C Wm1"]]:
-    """Causal depthwise conv over time, starting from an optional state.
-
-    Args:
-      x: `[B, T, C]` inputs (`B == 1` when `cu_seqlens` is given).
-      weight: `[C, W]` per-channel taps; tap `W - 1` multiplies the current token.
-      bias: `[C]` or None.
-      initial_state: `[Ns, C, W - 1]` last `W - 1` inputs before `x` (oldest first); `Ns = B`, or
-        the number of sequences in varlen mode. None means zeros.
-      activation: `"silu"` or None.
-      cu_seqlens: `[Ns + 1]` int32 sequence boundaries in the packed row, or None.
-
-    Returns:
-      `(y [B, T, C] in x.dtype, final_state [Ns, C, W - 1] in x.dtype)`.
-    """
+def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation=None, cu_seqlens=None):
+    """Specification of `attn.conv1d.causal_conv1d`: the causal depthwise conv over time from
+    `initial_state` (zeros when None); tap `W - 1` multiplies the current token."""
     if cu_seqlens is not None:
         return _causal_conv1d_varlen(x, weight, bias, initial_state, activation, cu_seqlens)
     b, t, c = x.shape
@@ -103,25 +83,9 @@ def _causal_conv1d_varlen(x, weight, bias, initial_state, activation, cu_seqlens
     return _activate(y, activation).astype(x.dtype)[None], final_state
 
 
-def causal_conv1d_update(
-    x: Float[Array, "B C"],
-    conv_state: Float[Array, "B C Wm1"],
-    weight: Float[Array, "C W"],
-    bias: Float[Array, " C"] | None = None,
-    activation: str | None = None,
-) -> tuple[Float[Array, "B C"], Float[Array, "B C Wm1"]]:
-    """One decode step: append `x` to the state and convolve the last `W` inputs.
-
-    Args:
-      x: `[B, C]` the new token's inputs.
-      conv_state: `[B, C, W - 1]` the previous `W - 1` inputs, oldest first.
-      weight: `[C, W]`.
-      bias: `[C]` or None.
-      activation: `"silu"` or None.
-
-    Returns:
-      `(y [B, C] in x.dtype, new_state [B, C, W - 1] in conv_state.dtype)`.
-    """
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
+    """Specification of `attn.conv1d.causal_conv1d_update`: append `x` to the state and convolve
+    the last `W` inputs."""
     xe = jnp.concatenate([conv_state, x[:, :, None].astype(conv_state.dtype)], axis=2)  # [B, C, W]
     y = jnp.einsum("bcw,cw->bc", xe.astype(jnp.float32), weight.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
@@ -150,48 +114,21 @@ def gather_slots(
     return jnp.where(live, pool[ids], jnp.zeros((), pool.dtype)), ids
 
 
-def causal_conv1d_update_pool(
-    x: Float[Array, "B C"],
-    conv_pool: Float[Array, "slots C Wm1"],
-    slot_ids: Int[Array, " B"],
-    weight: Float[Array, "C W"],
-    bias: Float[Array, " C"] | None = None,
-    activation: str | None = None,
-    *,
-    has_initial_state: Bool[Array, " B"] | None = None,
-) -> tuple[Float[Array, "B C"], Float[Array, "slots C Wm1"]]:
-    """Decode step on a slot pool: gather `pool[slot_ids]`, step, scatter back.
-
-    Returns:
-      `(y [B, C], new_pool)`; padding rows (slot 0) give `y = 0`.
-    """
+def causal_conv1d_update_pool(x, conv_pool, slot_ids, weight, bias=None, activation=None, *,
+                              has_initial_state=None):
+    """Specification of `attn.conv1d.causal_conv1d_update_pool`: gather `pool[slot_ids]`, step,
+    scatter back; padding rows (slot 0) give `y = 0`."""
     state, ids = gather_slots(conv_pool, slot_ids, has_initial_state)
     y, new_state = causal_conv1d_update(x, state, weight, bias, activation)
     y = jnp.where((ids > 0)[:, None], y, jnp.zeros((), y.dtype))
     return y, conv_pool.at[ids].set(new_state.astype(conv_pool.dtype))
 
 
-def causal_conv1d_prefill_pool(
-    x: Float[Array, "B T C"],
-    conv_pool: Float[Array, "slots C Wm1"],
-    slot_ids: Int[Array, " Ns"],
-    weight: Float[Array, "C W"],
-    bias: Float[Array, " C"] | None = None,
-    *,
-    activation: str | None = None,
-    has_initial_state: Bool[Array, " Ns"] | None = None,
-    cu_seqlens: Int[Array, " Ns+1"] | None = None,
-    conv=None,
-) -> tuple[Float[Array, "B T C"], Float[Array, "slots C Wm1"]]:
-    """Prefill on a slot pool: states from `pool[slot_ids]` (or zeros), final states written back.
-
-    `slot_ids` has one entry per batch row, or per sequence in varlen mode. Tokens of padding rows
-    / sequences (slot 0) give `y = 0`. `conv` replaces `causal_conv1d` (same signature; the api
-    passes the Triton kernel's wrapper), None for this reference.
-
-    Returns:
-      `(y [B, T, C], new_pool)`.
-    """
+def causal_conv1d_prefill_pool(x, conv_pool, slot_ids, weight, bias=None, *, activation=None,
+                               has_initial_state=None, cu_seqlens=None, conv=None):
+    """Specification of `attn.conv1d.causal_conv1d_prefill_pool`: states from `pool[slot_ids]` (or
+    zeros), final states written back, padding tokens (slot 0) give `y = 0`. `conv` replaces
+    `causal_conv1d` (same signature; the api passes the Triton kernel's wrapper), None here."""
     state, ids = gather_slots(conv_pool, slot_ids, has_initial_state)
     conv = causal_conv1d if conv is None else conv
     y, final = conv(x, weight, bias, initial_state=state, activation=activation,

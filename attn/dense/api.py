@@ -26,21 +26,18 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from attn import _checks
-from attn._harness import resolve_implementation
+from attn._op import Backend, op
 from attn.dense import reference
+from attn.paged_decode.api import check_pool
 
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
-_SUPPORTED = ("xla",)  # masked / varlen attention: no Triton kernel yet
-# `attention`: the flash kernels, in `auto`'s order of preference on a GPU; each refuses the
-# options it does not support (NotImplementedError) and the next one runs.
-_ATTENTION_SUPPORTED = ("mosaic", "triton", "xla")
-_ATTENTION_FALLBACK = {"mosaic": "triton", "triton": "xla"}
 
 # jit once here so eager callers (notebooks, tests) do not dispatch op by op; inside a caller's jit
 # these are inlined. The wrappers below pass every optional mask argument as an array (an absent
 # window is all zeros, absent segment ids are all equal, absent lengths are S) and the scale as a
-# traced scalar, so one compilation per shape serves every option: only `causal` is static.
-_attention = jax.jit(reference.attention, static_argnames=("causal",))
+# traced scalar, so one compilation per shape serves every option: `causal` and `softcap` are
+# static.
+_attention = jax.jit(reference.attention, static_argnames=("causal", "softcap"))
 _masked_attention = jax.jit(reference.masked_attention)
 _attention_varlen = jax.jit(reference.attention_varlen, static_argnames=("causal",))
 _visible_mask = jax.jit(reference.visible_mask, static_argnums=(0, 1, 2, 3),
@@ -153,6 +150,51 @@ def _check_qkv(q, k, v, *, seq_axis: int) -> None:
     _checks.check_positive("k tokens", k.shape[seq_axis])
 
 
+def _attention_xla(*, q, k, v, q_segment_ids, kv_segment_ids, **args):
+    if q_segment_ids is None:
+        q_segment_ids = np.zeros(q.shape[:2], np.int32)
+        kv_segment_ids = np.zeros(k.shape[:2], np.int32)
+    return _attention(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **args)
+
+
+def _head_dims(args) -> str:
+    return f"H{args['q'].shape[-1]}-Hv{args['v'].shape[-1]}"
+
+
+def _flash_config(module: str):
+    def config(args):
+        from attn.dense import mosaic, triton
+
+        h, hv = args["q"].shape[-1], args["v"].shape[-1]
+        return mosaic.default_config(h) if module == "mosaic" else triton.default_config(h, hv)
+
+    return config
+
+
+# `attention`'s backends, in `auto`'s order of preference on a GPU.
+_ATTENTION_BACKENDS = (
+    Backend(name="mosaic", run="attn.dense.mosaic:attention", supports="attn.dense.mosaic:supports",
+            config_type="attn.dense.mosaic:Config", default_config=_flash_config("mosaic"),
+            tuning_key=_head_dims),
+    Backend(name="triton", run="attn.dense.triton:attention", supports="attn.dense.triton:supports",
+            backward="attn.dense.triton:backward_supports",
+            config_type="attn.dense.triton:Config", default_config=_flash_config("triton"),
+            tuning_key=_head_dims),
+    Backend(name="xla", run=_attention_xla, platforms=("cpu", "gpu")),
+)
+
+
+def _check_softcap(softcap) -> float | None:
+    if softcap is None:
+        return None
+    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool):
+        raise TypeError(f"softcap={softcap!r} must be None or a Python number")
+    if not (np.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap={softcap} must be finite and positive")
+    return float(softcap)
+
+
+@op(name="attention", backends=_ATTENTION_BACKENDS)
 def attention(
     q: Float[Array, "B T N H"],
     k: Float[Array, "B S K H"],
@@ -166,7 +208,7 @@ def attention(
     q_segment_ids: Int[Array, "B T"] | None = None,
     kv_segment_ids: Int[Array, "B S"] | None = None,
     kv_lengths: Int[Array, " B"] | None = None,
-    implementation: str = "auto",
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
     """Dense (GQA) softmax attention with causal, window + sinks, offsets, packing and lengths.
 
@@ -186,10 +228,15 @@ def attention(
       kv_segment_ids: `[B, S]` integer segment ids.
       kv_lengths: `[B]` integer in `[0, S]` (checked when concrete; traced values are clamped
         there); keys `s >= kv_lengths[b]` are invisible.
-      implementation: `"xla"`, `"triton"` (the flash kernel, `attn/dense/triton.py`), `"mosaic"`
-        (the Mosaic GPU forward, `attn/dense/mosaic.py`: Hopper, static window / sinks, no
-        offsets or lengths) or `"auto"` (on a GPU the first of mosaic, triton that takes the
-        options, XLA where neither does, e.g. segment ids).
+      softcap: None or a positive number: logit soft-capping (Gemma 2), the scaled scores
+        become `softcap * tanh(scores / softcap)` before the mask.
+      implementation: `"xla"`, `"triton"` (the flash kernel, `attn/dense/triton.py`; with
+        `softcap` its gradient is the reference's), `"mosaic"` (the Mosaic GPU forward,
+        `attn/dense/mosaic.py`: Hopper, static window / sinks, no offsets, lengths or softcap)
+        or `"auto"` (on a GPU the first of mosaic, triton that takes the options, XLA where
+        neither does, e.g. segment ids).
+      config: a launch config of the backend it names (`attn.dense.triton.Config` or
+        `attn.dense.mosaic.Config`); default: the backend's heuristic and the tuning cache.
 
     Returns:
       `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`; rows with no visible key give
@@ -201,9 +248,10 @@ def attention(
         offset ints outside int32, concrete `kv_lengths` outside `[0, S]`, a scale that is not
         finite and positive, one segment-id array without the other.
       TypeError: non-float or mixed q/k/v dtypes, non-integer offsets / windows / sinks / ids /
-        lengths, a non-numeric scale.
+        lengths, a non-numeric scale or softcap, a config of another backend.
       NotImplementedError: `implementation="triton"` / `"mosaic"` with options that kernel does
-        not support (segment ids; for mosaic also offsets, lengths, per-head windows).
+        not support (its `supports` reasons: segment ids; for mosaic also offsets, lengths,
+        per-head windows, softcap).
     """
     _checks.check_rank("q", q, 4, "B T N H")
     _checks.check_rank("k", k, 4, "B S K H")
@@ -217,22 +265,9 @@ def attention(
         batch, q_len, kv_len, num_kv_heads, causal=causal, q_offset=q_offset, window=window,
         sinks=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         kv_lengths=kv_lengths)
-    impl = resolve_implementation(implementation, supported=_ATTENTION_SUPPORTED)
-    while impl != "xla":
-        if impl == "mosaic":
-            from attn.dense import mosaic as kernel
-        else:
-            from attn.dense import triton as kernel
-        try:  # refuses unsupported options before launching anything
-            return kernel.attention(
-                q, k, v, causal=args["causal"], scale=scale, q_offset=args["q_offset"],
-                window=args["window"], sinks=args["sinks"], q_segment_ids=q_segment_ids,
-                kv_segment_ids=kv_segment_ids, kv_lengths=args["kv_lengths"])
-        except NotImplementedError:
-            if implementation == impl:  # asked for by name: say why not
-                raise
-            impl = _ATTENTION_FALLBACK[impl]
-    return _attention(q, k, v, scale=scale, **args)
+    args.update(q=q, k=k, v=v, scale=scale, q_segment_ids=q_segment_ids,
+                kv_segment_ids=kv_segment_ids, softcap=_check_softcap(softcap))
+    return args
 
 
 def visible_mask(
@@ -282,15 +317,15 @@ def masked_attention(
     mask: Bool[Array, "B T M S"],
     *,
     scale: float | None = None,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
     """Dense attention under an arbitrary token mask (the oracle of block-sparse / paged variants).
+
+    XLA only (the reference, jitted).
 
     Args:
       q, k, v: as in `attention`.
       mask: `[B, T, M, S]` bool, `M` = `N` (per query head), `K` (per KV head) or 1.
       scale: softmax scale, default `H ** -0.5`.
-      implementation: `"xla"` or `"auto"`.
 
     Returns:
       `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`.
@@ -298,7 +333,6 @@ def masked_attention(
     Raises:
       ValueError: wrong ranks or sizes, `mask` shape not `[B, T, N|K|1, S]`.
       TypeError: bad dtypes (mask must be bool).
-      NotImplementedError: `implementation="triton"`.
     """
     _checks.check_rank("q", q, 4, "B T N H")
     _checks.check_rank("k", k, 4, "B S K H")
@@ -313,7 +347,6 @@ def masked_attention(
         raise ValueError(f"mask.shape={mask.shape} must be [B, T, M, S] with M in "
                          f"(N={num_heads}, K={num_kv_heads}, 1), B={batch}, T={q_len}, S={kv_len}")
     scale = _check_scale(scale, q.shape[-1])
-    resolve_implementation(implementation, supported=_SUPPORTED)
     return _masked_attention(q, k, v, mask, scale=scale)
 
 
@@ -384,9 +417,8 @@ def attention_varlen(
     scale: float | None = None,
     window: int | Int[Array, " K"] | None = None,
     sinks: int | Int[Array, " K"] = 0,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "Tq N Hv"], Float[Array, "Tq N"]]:
-    """Packed variable-length attention in the FlashAttention varlen layout.
+    """Packed variable-length attention in the FlashAttention varlen layout (XLA only).
 
     Sequence `b` owns queries `[cu_seqlens_q[b], cu_seqlens_q[b+1])` and keys
     `[cu_seqlens_k[b], cu_seqlens_k[b+1])`. Its queries are aligned to the END of its keys: query
@@ -399,13 +431,13 @@ def attention_varlen(
       q: `[Tq, N, H]` packed queries.
       k: `[Tk, K, H]` packed keys; v: `[Tk, K, Hv]`.
       cu_seqlens_q, cu_seqlens_k: `[B + 1]` int32 non-decreasing offsets.
-      causal, scale, window, sinks, implementation: as in `attention`.
+      causal, scale, window, sinks: as in `attention`.
 
     Returns:
       `(out [Tq, N, Hv] in q's dtype, lse [Tq, N] float32)`.
 
     Raises:
-      ValueError, TypeError, NotImplementedError: as `attention`, plus bad `cu_seqlens`.
+      ValueError, TypeError: as `attention`, plus bad `cu_seqlens`.
     """
     _checks.check_rank("q", q, 3, "Tq N H")
     _checks.check_rank("k", k, 3, "Tk K H")
@@ -419,7 +451,6 @@ def attention_varlen(
     if not isinstance(causal, bool | np.bool_):
         raise TypeError(f"causal={causal!r} must be a bool")
     window, sinks = _check_window_sinks(window, sinks, k.shape[1], causal=causal)
-    resolve_implementation(implementation, supported=_SUPPORTED)
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=bool(causal),
                              scale=scale, window=window, sinks=sinks)
 
@@ -435,8 +466,22 @@ __all__ = [
 ]
 
 
-_PREFILL_SUPPORTED = ("triton", "xla")  # `paged_prefill_attention` (attn/dense/triton_paged.py)
 _paged_prefill = jax.jit(reference.paged_prefill_attention)
+
+
+def _paged_prefill_config(args):
+    from attn.dense import triton_paged
+
+    return triton_paged.default_config(args["q"].shape[-1], args["v_pages"].shape[-1])
+
+
+_PAGED_PREFILL_BACKENDS = (
+    Backend(name="triton", run="attn.dense.triton_paged:paged_prefill_attention",
+            supports="attn.dense.triton_paged:supports", backward=lambda args: ["no backward"],
+            config_type="attn.dense.triton_paged:Config", default_config=_paged_prefill_config,
+            tuning_key=lambda args: f"H{args['q'].shape[-1]}-P{args['k_pages'].shape[2]}"),
+    Backend(name="xla", run=_paged_prefill, platforms=("cpu", "gpu")),
+)
 
 
 def _per_row_head_arg(name: str, x, batch: int, num_kv_heads: int, *, non_negative: bool):
@@ -462,6 +507,7 @@ def _per_row_head_arg(name: str, x, batch: int, num_kv_heads: int, *, non_negati
     return jnp.broadcast_to(x.astype(jnp.int32), (batch, num_kv_heads))
 
 
+@op(name="paged_prefill_attention", backends=_PAGED_PREFILL_BACKENDS)
 def paged_prefill_attention(
     q: Float[Array, "B T N H"],
     k_pages: Array,
@@ -475,7 +521,6 @@ def paged_prefill_attention(
     sinks: int | Int[Array, " K"] | Int[Array, "B K"] | None = None,
     k_scales: Float[Array, "K num_pages C"] | None = None,
     v_scales: Float[Array, "K num_pages C"] | None = None,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
     """Chunked prefill: a query chunk attends its row's paged cache (prefix + the chunk itself).
 
@@ -503,6 +548,8 @@ def paged_prefill_attention(
         required exactly when the matching pages are fp8.
       implementation: `"xla"` (gather + dense reference), `"triton"` (reads the pages in the
         kernel, `attn/dense/triton_paged.py`; its gradient is the reference's) or `"auto"`.
+      config: an `attn.dense.triton_paged.Config` (names the Triton backend); default: its
+        heuristic and the tuning cache.
 
     Returns:
       `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`; a row with no visible key gives
@@ -515,15 +562,13 @@ def paged_prefill_attention(
         scale that is not finite and positive, ints outside int32, an unknown implementation.
       TypeError: dtypes (q float; pages float or e4m3; tables, offsets, lengths, windows and sinks
         integer; scales float32), a non-numeric scale.
-      NotImplementedError: `implementation="triton"` with options the kernel refuses (head dims
-        over 256, float pages in another dtype than q).
+      NotImplementedError: `implementation="triton"` with options the kernel refuses (its
+        `supports` reasons: head dims over 256, float pages in another dtype than q).
     """
-    from attn.paged_decode import api as paged_api
-
     _checks.check_rank("q", q, 4, "B T N H")
     _checks.check_dtype("q", q, _FLOATS)
-    paged_api._check_pool("k_pages", k_pages, k_scales, "k_scales")
-    paged_api._check_pool("v_pages", v_pages, v_scales, "v_scales")
+    check_pool("k_pages", k_pages, k_scales, "k_scales")
+    check_pool("v_pages", v_pages, v_scales, "v_scales")
     batch, _, num_heads, head_dim = q.shape
     num_kv, num_pages, page, k_dim = k_pages.shape
     if v_pages.shape[:3] != (num_kv, num_pages, page):
@@ -560,16 +605,6 @@ def paged_prefill_attention(
     window = _per_row_head_arg("window", window, batch, num_kv, non_negative=False)
     sinks = _per_row_head_arg("sinks", sinks, batch, num_kv, non_negative=True)
     scale = _check_scale(scale, head_dim)
-    impl = resolve_implementation(implementation, supported=_PREFILL_SUPPORTED)
-    if impl == "triton":
-        from attn.dense import triton_paged as kernel
-
-        try:  # refuses unsupported options before launching anything
-            return kernel.paged_prefill_attention(
-                q, k_pages, v_pages, block_tables, q_offset, kv_lengths, scale=float(scale),
-                window=window, sinks=sinks, k_scales=k_scales, v_scales=v_scales)
-        except NotImplementedError:
-            if implementation == "triton":
-                raise
-    return _paged_prefill(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, scale=scale,
-                          window=window, sinks=sinks, k_scales=k_scales, v_scales=v_scales)
+    return dict(q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
+                q_offset=q_offset, kv_lengths=kv_lengths, scale=scale, window=window, sinks=sinks,
+                k_scales=k_scales, v_scales=v_scales)

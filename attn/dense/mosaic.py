@@ -36,8 +36,8 @@ stored `[B, N, T]` (1-D TMA stores of `block_q` rows) and transposed outside.
 
 Supports: causal with `T == S` and no offset, or non-causal; `window` / `sinks` as Python ints
 or concrete arrays equal across KV heads; `H == Hv` in {64, 128}; bf16 / f16; `T` a multiple of
-`2 * block_q` and `S` of `block_kv`. Anything else raises NotImplementedError (the public API then
-uses the Triton kernel). Gradients: the Triton backward kernels, from this forward's out and lse.
+`2 * block_q` and `S` of `block_kv`. `supports` lists what else it refuses (the public op then
+runs the Triton kernel). Gradients: the Triton backward kernels, from this forward's out and lse.
 Compiles for a Hopper GPU (`pytest -m gpu` checks it against the reference); on the CPU it runs in
 Pallas's Mosaic GPU interpreter with `Config(interpret=True)` (the CPU tests: the schedule,
 barriers, copies and masks as compiled, the two products as `jnp` products of the same
@@ -425,61 +425,75 @@ def _forward(q, k, v, *, causal: bool, scale: float, window: int, sinks: int, co
                       grid_names=("heads", "q_seq", "batch"), scale=scale, config=config)
 
 
-def check_device() -> None:
-    """Raise NotImplementedError unless the default device is a Hopper GPU (the compiled kernels
-    issue wgmma; elsewhere only `Config(interpret=True)` runs them)."""
+def device_reasons() -> list[str]:
+    """Why the default device cannot compile the kernels (they issue wgmma: Hopper only;
+    elsewhere only `Config(interpret=True)` runs them)."""
     if not on_gpu():
-        raise NotImplementedError("Mosaic GPU kernels need a CUDA GPU (Hopper) to compile; on a "
-                                  "CPU they run only in the interpreter (Config(interpret=True))")
+        return ["a CPU: Mosaic GPU kernels compile for a CUDA GPU (Hopper); on a CPU they run only "
+                "in the interpreter (Config(interpret=True))"]
     capability = str(getattr(jax.devices()[0], "compute_capability", ""))
     if not capability.startswith("9."):
-        raise NotImplementedError(f"Mosaic GPU kernels need Hopper (sm_90, wgmma); this GPU has "
-                                  f"compute capability {capability or 'unknown'}")
+        return [f"compute capability {capability or 'unknown'}: Mosaic GPU kernels need Hopper "
+                f"(sm_90, wgmma)"]
+    return []
 
 
-def _static_per_head(name: str, x, num_kv_heads: int) -> int:
-    """A Python int from an int or a concrete `[K]` array whose entries are all equal."""
+def check_device() -> None:
+    """Raise NotImplementedError with `device_reasons`, if any."""
+    reasons = device_reasons()
+    if reasons:
+        raise NotImplementedError(f"Mosaic GPU kernels: {reasons[0]}")
+
+
+def _static_per_head(x, num_kv_heads: int) -> int | None:
+    """A Python int from an int or a concrete `[K]` array whose entries are all equal; None
+    for anything else (traced, or different per head)."""
     if isinstance(x, (int, np.integer)):
         return int(x)
     arr = _checks.concrete(x)
     if arr is None or arr.shape not in ((), (num_kv_heads,)) or np.unique(arr).size != 1:
-        raise NotImplementedError(f"{name}: the Mosaic GPU kernel takes one static value for "
-                                  f"every KV head; got {x!r}")
+        return None
     return int(arr.reshape(-1)[0])
 
 
-def check_supported(q, k, v, *, causal: bool, scale: float, q_offset, window, sinks,
-                    kv_lengths, q_segment_ids, kv_segment_ids, config: Config) -> tuple[int, int]:
-    """Raise NotImplementedError (naming the value) for what this kernel does not do; returns
-    the static `(window, sinks)` (window 0: none)."""
-    def refuse(why):
-        raise NotImplementedError(f"Mosaic GPU flash kernel: {why}")
-
-    (_, t, _, h), (_, s, kh, hv) = q.shape, v.shape
-    if q_segment_ids is not None or kv_segment_ids is not None:
-        refuse("segment ids (packed varlen) are not supported")
-    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        refuse(f"dtype {q.dtype}: bfloat16 or float16 only")
-    if h != hv or h not in _HEAD_DIMS:
-        refuse(f"H={h}, Hv={hv}: needs H == Hv in {_HEAD_DIMS}")
-    if not scale > 0:
-        refuse(f"scale={scale} must be positive")
-    if t % (2 * config.block_q) or s % config.block_kv:
-        refuse(f"T={t} must be a multiple of {2 * config.block_q} and S={s} of "
-               f"{config.block_kv}")
-    if causal and t != s:
-        refuse(f"causal with T={t} != S={s} (a query offset) is not supported")
-    offset = _checks.concrete(q_offset)
-    if offset is None or np.any(offset != 0):
-        refuse(f"q_offset={q_offset!r}: only a static 0")
-    if kv_lengths is not None:
-        lengths = _checks.concrete(kv_lengths)
-        if lengths is None or np.any(lengths != s):
-            refuse(f"kv_lengths={kv_lengths!r}: only the full length S={s}")
-    window = 0 if window is None or not causal else _static_per_head("window", window, kh)
-    window = max(window, 0)
-    sinks = _static_per_head("sinks", sinks, kh) if window else 0
+def static_window_sinks(causal: bool, window, sinks, num_kv_heads: int) -> tuple[int, int]:
+    """The static `(window, sinks)` the kernel takes (window 0: none); `supports` is empty."""
+    window = 0 if window is None or not causal else max(_static_per_head(window, num_kv_heads), 0)
+    sinks = _static_per_head(sinks, num_kv_heads) if window else 0
     return window, max(sinks, 0)
+
+
+def supports(args: dict, config: Config) -> list[str]:
+    """Why this kernel cannot run `attn.dense.attention`'s validated `args` (empty: it can)."""
+    q, v, causal = args["q"], args["v"], args["causal"]
+    (_, t, _, h), (_, s, kh, hv) = q.shape, v.shape
+    reasons = [] if config.interpret else device_reasons()
+    if args["q_segment_ids"] is not None:
+        reasons.append("segment ids (packed varlen)")
+    if args.get("softcap") is not None:
+        reasons.append("soft-capping")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        reasons.append(f"dtype {q.dtype}: bfloat16 or float16 only")
+    if h != hv or h not in _HEAD_DIMS:
+        reasons.append(f"H={h}, Hv={hv}: needs H == Hv in {_HEAD_DIMS}")
+    if t % (2 * config.block_q) or s % config.block_kv:
+        reasons.append(f"T={t} must be a multiple of {2 * config.block_q} and S={s} of "
+                       f"{config.block_kv}")
+    if causal and t != s:
+        reasons.append(f"causal with T={t} != S={s} (a query offset)")
+    offset = _checks.concrete(args["q_offset"])
+    if offset is None or np.any(offset != 0):
+        reasons.append(f"q_offset={args['q_offset']!r}: only a static 0")
+    if args["kv_lengths"] is not None:
+        lengths = _checks.concrete(args["kv_lengths"])
+        if lengths is None or np.any(lengths != s):
+            reasons.append(f"kv_lengths={args['kv_lengths']!r}: only the full length S={s}")
+    window = _static_per_head(args["window"], kh) if causal and args["window"] is not None else 0
+    if window is None:
+        reasons.append(f"window={args['window']!r}: one static value for every KV head")
+    elif window > 0 and _static_per_head(args["sinks"], kh) is None:
+        reasons.append(f"sinks={args['sinks']!r}: one static value for every KV head")
+    return reasons
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
@@ -514,25 +528,18 @@ def _attention(q, k, v, *, causal, scale, window, sinks, config):
 
 
 def attention(q, k, v, *, causal=True, scale=None, q_offset=0, window=None, sinks=0,
-              q_segment_ids=None, kv_segment_ids=None, kv_lengths=None,
+              q_segment_ids=None, kv_segment_ids=None, kv_lengths=None, softcap=None,
               config: Config | None = None):
     """Dense attention through the Mosaic GPU forward (differentiable: Triton backward);
-    arguments as `attn.dense.attention` (validated there), plus `config` (default:
-    `default_config`).
+    arguments as `attn.dense.attention` (validated there, and `supports` empty), plus `config`
+    (default: `default_config`).
 
     Returns:
       `(out [B, T, N, H] in q's dtype, lse [B, T, N] float32)`.
-
-    Raises:
-      NotImplementedError: see the module docstring (the caller falls back to Triton).
     """
+    del q_offset, q_segment_ids, kv_segment_ids, kv_lengths, softcap  # as `supports` requires
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     config = config or default_config(q.shape[-1])
-    window, sinks = check_supported(
-        q, k, v, causal=causal, scale=scale, q_offset=q_offset, window=window, sinks=sinks,
-        kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        config=config)
-    if not config.interpret:
-        check_device()
+    window, sinks = static_window_sinks(causal, window, sinks, k.shape[2])
     return _attention(q, k, v, causal=bool(causal), scale=scale, window=window, sinks=sinks,
                       config=config)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Int
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # an oracle must not run its float32 matmuls in TF32
 
@@ -86,35 +86,10 @@ def mask_from_positions(
     return jnp.broadcast_to(mask, (batch, q_len, num_kv_heads, kv_pos.shape[1]))
 
 
-def visible_mask(
-    batch: int,
-    q_len: int,
-    kv_len: int,
-    num_kv_heads: int,
-    *,
-    causal: bool = True,
-    q_offset: int | Int[Array, " B"] = 0,
-    window: int | Int[Array, " K"] | None = None,
-    sinks: int | Int[Array, " K"] = 0,
-    q_segment_ids: Int[Array, "B T"] | None = None,
-    kv_segment_ids: Int[Array, "B S"] | None = None,
-    kv_lengths: Int[Array, " B"] | None = None,
-) -> Bool[Array, "B T K S"]:
-    """The token mask of dense attention: query `t` sits at position `q_offset + t`, key `s` at `s`.
-
-    With segment ids, causality and the window use these packed indices, which is right when q and
-    kv are the same packed sequence and `q_offset == 0`; sinks then count from the start of the
-    whole packed row, not of each segment (use `attention_varlen` for per-sequence sinks).
-
-    Args:
-      batch, q_len, kv_len, num_kv_heads: `B`, `T`, `S`, `K`.
-      causal, window, sinks, q_segment_ids, kv_segment_ids: as in `mask_from_positions`.
-      q_offset: an int or `[B]` int32: position of the first query in the key sequence.
-      kv_lengths: `[B]` int32; keys `s >= kv_lengths[b]` are invisible.
-
-    Returns:
-      `[B, T, K, S]` boolean mask; query head `n` uses `mask[:, :, n // G]`.
-    """
+def visible_mask(batch, q_len, kv_len, num_kv_heads, *, causal=True, q_offset=0, window=None,
+                 sinks=0, q_segment_ids=None, kv_segment_ids=None, kv_lengths=None):
+    """Specification of `attn.dense.visible_mask`: query `t` at position `q_offset + t`, key `s`
+    at `s`, through `mask_from_positions`; `kv_lengths` hides keys `s >= kv_lengths[b]`."""
     offset = jnp.asarray(q_offset, jnp.int32).reshape(-1, 1)  # [B or 1, 1]
     q_pos = jnp.broadcast_to(offset + jnp.arange(q_len, dtype=jnp.int32), (batch, q_len))
     kv_pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (batch, kv_len))
@@ -124,25 +99,10 @@ def visible_mask(
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, kv_valid=kv_valid)
 
 
-def masked_attention(
-    q: Float[Array, "B T N H"],
-    k: Float[Array, "B S K H"],
-    v: Float[Array, "B S K Hv"],
-    mask: Bool[Array, "B T M S"],
-    *,
-    scale: float | Float[Array, ""] | None = None,
-) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
-    """Softmax attention under an explicit boolean mask.
-
-    Args:
-      q, k, v: `[B, T, N, H]`, `[B, S, K, H]`, `[B, S, K, Hv]`.
-      mask: `[B, T, M, S]` with `M` one of `N` (per query head), `K` (per KV head) or 1 (shared).
-      scale: softmax scale; default `H ** -0.5`.
-
-    Returns:
-      `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`; a row with no visible key gives
-      0 and -inf.
-    """
+def masked_attention(q, k, v, mask, *, scale=None, softcap=None):
+    """Specification of `attn.dense.masked_attention`: scores in float32 (soft-capped as
+    `softcap * tanh(s / softcap)` when `softcap` is given), the mask, softmax, values. `mask` is
+    `[B, T, M, S]` with `M` one of `N`, `K` or 1."""
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
@@ -165,6 +125,8 @@ def masked_attention(
     tainted = jnp.any(m & bad_key, axis=-1)  # [B, K, G|1, T]
 
     s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, kf, precision=_HIGHEST) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(m, s, -jnp.inf)
     sees = row_sees  # [B, K|1, G|1, T], from the mask: a NaN score is not an empty row
     row_max = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))  # shift only: no grad
@@ -182,26 +144,14 @@ def masked_attention(
     return out.astype(q.dtype), lse
 
 
-def attention(
-    q: Float[Array, "B T N H"],
-    k: Float[Array, "B S K H"],
-    v: Float[Array, "B S K Hv"],
-    *,
-    causal: bool = True,
-    scale: float | Float[Array, ""] | None = None,
-    q_offset: int | Int[Array, " B"] = 0,
-    window: int | Int[Array, " K"] | None = None,
-    sinks: int | Int[Array, " K"] = 0,
-    q_segment_ids: Int[Array, "B T"] | None = None,
-    kv_segment_ids: Int[Array, "B S"] | None = None,
-    kv_lengths: Int[Array, " B"] | None = None,
-) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
-    """Dense attention: `masked_attention` under `visible_mask` (arguments as there)."""
+def attention(q, k, v, *, causal=True, scale=None, q_offset=0, window=None, sinks=0,
+              q_segment_ids=None, kv_segment_ids=None, kv_lengths=None, softcap=None):
+    """Specification of `attn.dense.attention`: `masked_attention` under `visible_mask`."""
     mask = visible_mask(
         q.shape[0], q.shape[1], k.shape[1], k.shape[2], causal=causal, q_offset=q_offset,
         window=window, sinks=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         kv_lengths=kv_lengths)
-    return masked_attention(q, k, v, mask, scale=scale)
+    return masked_attention(q, k, v, mask, scale=scale, softcap=softcap)
 
 
 def segment_ids_from_cu_seqlens(cu_seqlens: Int[Array, " B+1"], total: int) -> Int[Array, " T"]:
@@ -236,34 +186,11 @@ def positions_from_cu_seqlens(cu_seqlens: Int[Array, " B+1"], total: int) -> Int
     return jnp.where(seg >= 0, jnp.arange(total, dtype=jnp.int32) - start, 0)
 
 
-def attention_varlen(
-    q: Float[Array, "Tq N H"],
-    k: Float[Array, "Tk K H"],
-    v: Float[Array, "Tk K Hv"],
-    cu_seqlens_q: Int[Array, " B+1"],
-    cu_seqlens_k: Int[Array, " B+1"],
-    *,
-    causal: bool = True,
-    scale: float | Float[Array, ""] | None = None,
-    window: int | Int[Array, " K"] | None = None,
-    sinks: int | Int[Array, " K"] = 0,
-) -> tuple[Float[Array, "Tq N Hv"], Float[Array, "Tq N"]]:
-    """Packed variable-length attention (FlashAttention varlen layout) via `mask_from_positions`.
-
-    Sequence `b` owns queries `[cu_q[b], cu_q[b+1])` and keys `[cu_k[b], cu_k[b+1])`. Its queries
-    are aligned to the end of its keys: query `j` sits at position `len_k - len_q + j` (a query
-    chunk after a cached prefix). Keys sit at `0..len_k-1`, so sinks and windows count within each
-    sequence. Padding tokens (outside `[cu[0], cu[B])`) see nothing and are seen by nobody.
-
-    Args:
-      q: `[Tq, N, H]` packed queries.
-      k, v: `[Tk, K, H]`, `[Tk, K, Hv]` packed keys and values.
-      cu_seqlens_q, cu_seqlens_k: `[B + 1]` non-decreasing offsets of each sequence.
-      causal, scale, window, sinks: as in `mask_from_positions` / `masked_attention`.
-
-    Returns:
-      `(out [Tq, N, Hv], lse [Tq, N] float32)`.
-    """
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, scale=None, window=None,
+                     sinks=0):
+    """Specification of `attn.dense.attention_varlen` through `mask_from_positions`: sequence `b`'s
+    queries sit at the end of its keys (`len_k - len_q + j`), keys at `0..len_k-1`, so windows and
+    sinks count within each sequence; padding tokens see nothing and are seen by nobody."""
     total_q, total_k = q.shape[0], k.shape[0]
     q_seg = segment_ids_from_cu_seqlens(cu_seqlens_q, total_q)  # [Tq]
     kv_seg = segment_ids_from_cu_seqlens(cu_seqlens_k, total_k)  # [Tk]
@@ -279,45 +206,11 @@ def attention_varlen(
     return out[0], lse[0]
 
 
-def paged_prefill_attention(
-    q: Float[Array, "B T N H"],
-    k_pages: Array,
-    v_pages: Array,
-    block_tables: Int[Array, "B K M"],
-    q_offset: Int[Array, " B"],
-    kv_lengths: Int[Array, " B"],
-    *,
-    scale: float | Float[Array, ""] | None = None,
-    window: Int[Array, "B K"] | None = None,
-    sinks: Int[Array, "B K"] | None = None,
-    k_scales: Float[Array, "K num_pages C"] | None = None,
-    v_scales: Float[Array, "K num_pages C"] | None = None,
-) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
-    """Chunked prefill over a paged cache: gather the pages, then causal `masked_attention`.
-
-    Query `t` of row `b` sits at `q_offset[b] + t`; key `s` (token `s` of the row's cache, read at
-    `pages[k, block_tables[b, k, s // P], s % P]`) is visible to KV head `k` iff `s <= q_pos`,
-    `s < kv_lengths[b]`, its table entry names a page of the pool (`0 <= id < num_pages`: -1 and
-    out-of-range ids are absent, read as the null page and masked), and it is inside the head's
-    window or among its sinks (as `visible_mask`, with `window[b, k]` / `sinks[b, k]` per row and
-    head). Negative offsets count from 0.
-
-    Args:
-      q: `[B, T, N, H]` queries of the chunk (their own K/V already written to the pages).
-      k_pages: `[K, num_pages, P, H]` (float, or e4m3 with `k_scales`).
-      v_pages: `[K, num_pages, P, Hv]` (float, or e4m3 with `v_scales`).
-      block_tables: `[B, K, M]` int32 per-head page ids; -1 = not allocated.
-      q_offset: `[B]` int32 position of query 0 (the cached prefix length).
-      kv_lengths: `[B]` int32 tokens in the cache, the chunk's included.
-      scale: softmax scale; default `H ** -0.5`.
-      window: `[B, K]` int32 window per row and head (`<= 0`: full), or None.
-      sinks: `[B, K]` int32 sink tokens per row and head, or None.
-      k_scales, v_scales: `[K, num_pages, P // sub_block]` fp8 scales, or None.
-
-    Returns:
-      `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`; rows with no visible key give 0
-      and -inf.
-    """
+def paged_prefill_attention(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, *, scale=None,
+                            window=None, sinks=None, k_scales=None, v_scales=None):
+    """Specification of `attn.dense.paged_prefill_attention`: gather the pages, then causal
+    `masked_attention` under `visible_mask` per row (`window` / `sinks` `[B, K]`), with absent
+    pages (ids outside `[0, num_pages)`) masked. Negative offsets count from 0."""
     from attn.paged_decode.reference import gather_pages, page_present
 
     batch, q_len = q.shape[:2]

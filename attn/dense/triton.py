@@ -24,8 +24,11 @@ Supports: causal and non-causal, `q_offset` `[B]` (chunked prefill over a cached
 and sinks per KV head (`window <= 0`: full), `kv_lengths`, any group size, `H` / `Hv` up to 256
 (padded to a power of two and masked), bf16 / f16 (f32 with IEEE dots, for tests). A row with no
 visible key gives output 0 and lse -inf, and zero gradients.
-Not supported (NotImplementedError, so `implementation="auto"` falls back to XLA): segment ids
-(packed varlen), a scale <= 0, shapes whose per-batch element offsets overflow int32.
+Logit soft-capping (`softcap`: `softcap * tanh(s / softcap)` of the scaled scores, before the
+mask) in the forward; the backward kernels do not soft-cap, so such a call's gradient is the
+reference's (`backward_supports`, applied by `attn._op`).
+Not supported (`supports` says why, and `implementation="auto"` falls back to XLA): segment ids
+(packed varlen), shapes whose per-batch element offsets overflow int32.
 """
 
 import dataclasses
@@ -120,6 +123,7 @@ def _fwd_visit(
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
+    CAP: tl.constexpr = 0.0,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
@@ -134,6 +138,8 @@ def _fwd_visit(
         in_kv = cols < kv_len
         k = _load(k_ptrs, in_kv, mask_h, MASKED, BLOCK_H != H)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
+        if CAP > 0:  # soft-capping, in unscaled units: CAP * tanh(qk / CAP), CAP = softcap / scale
+            qk = CAP * (1.0 - 2.0 / (tl.exp(qk * (2.0 / CAP)) + 1.0))
         if MASKED:
             visible = _visible(cols[None, :], pos[:, None], kv_len, win, sinks, CAUSAL)
             p, alpha, m_new = _masked_softmax_step(qk, m, visible, SCALE_LOG2)
@@ -179,6 +185,7 @@ def _flash_fwd_kernel(
     PRECISION: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
     WS_MASKED: tl.constexpr = False,
+    CAP: tl.constexpr = 0.0,  # softcap / scale; 0: no soft-capping
 ):
     # Heads vary fastest (programs in flight share K/V in L2); the last query tiles, which see
     # the most keys under a causal mask, start first so the short ones fill the tail.
@@ -218,16 +225,16 @@ def _flash_fwd_kernel(
     # Sink tiles, the window's lower edge, the tiles every row sees whole, the causal diagonal.
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, 0, sink_end, kv_len, win, sinks,
                            SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
-                           PRECISION, WS_MASKED)
+                           PRECISION, WS_MASKED, CAP)
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, main_lo, full_lo, kv_len, win,
                            sinks, SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
-                           PRECISION, WS_MASKED)
+                           PRECISION, WS_MASKED, CAP)
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_lo, full_hi, kv_len, win,
                            sinks, SCALE_LOG2, K, H, HV, CAUSAL, False, BLOCK_N, BLOCK_H, BLOCK_HV,
-                           PRECISION, WARP_SPECIALIZE)
+                           PRECISION, WARP_SPECIALIZE, CAP)
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_hi, end, kv_len, win, sinks,
                            SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
-                           PRECISION, WS_MASKED)
+                           PRECISION, WS_MASKED, CAP)
 
     empty = l == 0.0
     safe_l = tl.where(empty, 1.0, l)
@@ -238,7 +245,7 @@ def _flash_fwd_kernel(
     tl.store(lse_ptr + q_rows, lse, mask=row_ok)
 
 
-def _forward(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, config):
+def _forward(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, config, softcap=None):
     """Launch the forward; integer arguments are int32 arrays (`[B]`, `[K]`, `[K]`, `[B]`)."""
     dims = _shapes(q, k, v)
     b, t, n, _ = q.shape
@@ -255,7 +262,8 @@ def _forward(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, con
         num_stages=config.num_stages,
         SCALE_LOG2=scale * LOG2E, CAUSAL=causal, NUM_M=num_m, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8,
-        WS_MASKED=config.warp_specialize_masked and config.num_warps >= 8, **dims,
+        WS_MASKED=config.warp_specialize_masked and config.num_warps >= 8,
+        CAP=0.0 if softcap is None else softcap / scale, **dims,
     )
 
 
@@ -282,49 +290,57 @@ def _flash_bwd(causal, scale, config, res, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "config"))
-def _attention(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, config):
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "config", "softcap"))
+def _attention(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, config, softcap):
     b, kh = q.shape[0], k.shape[2]
     q_offset = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (b,))
     window = jnp.broadcast_to(jnp.asarray(window, jnp.int32), (kh,))
     sinks = jnp.broadcast_to(jnp.asarray(sinks, jnp.int32), (kh,))
     kv_lengths = jnp.broadcast_to(jnp.asarray(kv_lengths, jnp.int32), (b,))
+    if softcap is not None:  # forward only: the backward kernels do not soft-cap
+        return _forward(q, k, v, q_offset, window, sinks, kv_lengths, causal=causal, scale=scale,
+                        config=config, softcap=softcap)
     return _flash(q, k, v, q_offset, window, sinks, kv_lengths, causal, scale, config)
 
 
+def supports(args: dict, config: Config | None = None) -> list[str]:
+    """Why this kernel cannot run `attn.dense.attention`'s validated `args` (empty: it can)."""
+    del config  # every launch config runs every shape
+    q, k, v = args["q"], args["k"], args["v"]
+    (_, t, n, h), (_, s, kh, _), hv = q.shape, k.shape, v.shape[-1]
+    reasons = []
+    if args["q_segment_ids"] is not None:
+        reasons.append("segment ids (packed varlen)")
+    if max(h, hv) > _MAX_HEAD_DIM:
+        reasons.append(f"head dims H={h}, Hv={hv} over {_MAX_HEAD_DIM}")
+    if max(t * n, s * kh) * max(h, hv) > _INT32_MAX:
+        reasons.append(f"q {q.shape} / k {k.shape}: per-batch offsets overflow int32")
+    return reasons
+
+
+def backward_supports(args: dict) -> list[str]:
+    """Why the backward kernels cannot differentiate `args` (the gradient is then the
+    reference's)."""
+    return ["soft-capping (no softcap backward)"] if args["softcap"] is not None else []
+
+
 def attention(q, k, v, *, causal=True, scale=None, q_offset=0, window=None, sinks=0,
-              q_segment_ids=None, kv_segment_ids=None, kv_lengths=None,
+              kv_lengths=None, q_segment_ids=None, kv_segment_ids=None, softcap=None,
               config: Config | None = None):
-    """Dense attention through the flash kernels (differentiable); arguments as
-    `attn.dense.attention` (validated there), plus `config` (default: `default_config`).
+    """Dense attention through the flash kernels; arguments as `attn.dense.attention` (validated
+    there, and `supports` empty), plus `config` (default: `default_config`). Differentiable
+    without `softcap`; with it, forward only (`backward_supports`).
 
     Returns:
       `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`.
-
-    Raises:
-      NotImplementedError: segment ids, `scale <= 0`, head dims over 256, or per-batch offsets
-        beyond int32 (the caller falls back to XLA).
     """
-    if q_segment_ids is not None or kv_segment_ids is not None:
-        raise NotImplementedError("segment ids (packed varlen) are not supported by the Triton "
-                                  "dense kernel yet; use implementation='xla'")
+    del q_segment_ids, kv_segment_ids  # refused by `supports`
     h, hv = q.shape[-1], v.shape[-1]
-    if scale is None:
-        scale = h**-0.5
-    scale = float(scale)
-    if not scale > 0:
-        raise NotImplementedError(f"{scale=}: the Triton dense kernel needs a positive scale")
-    if max(h, hv) > _MAX_HEAD_DIM:
-        raise NotImplementedError(f"head dims H={h}, Hv={hv} over {_MAX_HEAD_DIM} are not "
-                                  f"supported by the Triton dense kernel")
-    (_, t, n, _), (_, s, kh, _) = q.shape, k.shape
-    if max(t * n, s * kh) * max(h, hv) > _INT32_MAX:
-        raise NotImplementedError(f"q {q.shape} / k {k.shape}: per-batch offsets overflow int32")
+    scale = h**-0.5 if scale is None else scale
     if config is None:
         config = default_config(h, hv)
-    if window is None or not causal:
-        window = 0
-    if kv_lengths is None:
-        kv_lengths = s
-    return _attention(q, k, v, q_offset, window, sinks, kv_lengths, causal=bool(causal),
-                      scale=scale, config=config)
+    window = 0 if window is None or not causal else window
+    kv_lengths = k.shape[1] if kv_lengths is None else kv_lengths
+    return _attention(q, k, v, q_offset, window, sinks, kv_lengths,
+                      causal=bool(causal), scale=float(scale), config=config,
+                      softcap=None if softcap is None else float(softcap))

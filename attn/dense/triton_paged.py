@@ -25,9 +25,9 @@ never visited.
 
 Supports: any group size, `H` / `Hv` up to 256 (padded and masked), bf16 / f16 / f32 queries with
 pages of q's dtype, or fp8-e4m3 pages with fp32 sub-block scales. The kernel is forward only;
-`paged_prefill_attention` takes its gradient from the XLA reference (`with_reference_gradient`).
-Not supported (NotImplementedError): scale <= 0, head dims over 256, float pages in another dtype
-than q, one fp8 pool with one float pool.
+the public op takes its gradient from the XLA reference (`attn._op`, `attn._grad`).
+Not supported (`supports` says why; `"auto"` then runs XLA): head dims over 256, float pages in
+another dtype than q, one fp8 pool with one float pool.
 """
 
 import dataclasses
@@ -40,9 +40,7 @@ import triton
 import triton.language as tl
 
 from attn import _checks
-from attn._grad import with_reference_gradient
 from attn._harness import triton_call
-from attn.dense import reference
 from attn.dense._flash_tiles import _key_tiles, _masked_softmax_step, _visible
 
 LOG2E = math.log2(math.e)
@@ -294,22 +292,22 @@ def _paged_prefill_kernel(
     tl.store(lse_ptr + q_rows, lse, mask=row_ok)
 
 
-def check_supported(q, k_pages, v_pages, *, scale: float, k_scales=None, v_scales=None) -> None:
-    """Raise NotImplementedError for what the kernel does not do (the API then uses XLA)."""
+def supports(args: dict, config=None) -> list[str]:
+    """Why this kernel cannot run `attn.dense.paged_prefill_attention`'s validated `args`."""
+    del config
+    q, k_pages, v_pages = args["q"], args["k_pages"], args["v_pages"]
     h, hv = q.shape[-1], v_pages.shape[-1]
-    if not scale > 0:
-        raise NotImplementedError(f"{scale=}: the Triton paged prefill kernel needs a positive "
-                                  f"scale")
+    reasons = []
     if max(h, hv) > _MAX_HEAD_DIM:
-        raise NotImplementedError(f"head dims H={h}, Hv={hv} over {_MAX_HEAD_DIM} are not "
-                                  f"supported by the Triton paged prefill kernel")
-    fp8 = k_scales is not None
-    if (v_scales is not None) != fp8 or k_pages.dtype != v_pages.dtype:
-        raise NotImplementedError(f"k_pages {k_pages.dtype} / v_pages {v_pages.dtype}: the Triton "
-                                  f"paged prefill kernel needs both pools fp8 or both float")
-    if not fp8 and jnp.dtype(k_pages.dtype) != jnp.dtype(q.dtype):
-        raise NotImplementedError(f"pages of {k_pages.dtype} with q of {q.dtype}: the Triton paged "
-                                  f"prefill kernel needs float pages in q's dtype (or fp8 pages)")
+        reasons.append(f"head dims H={h}, Hv={hv} over {_MAX_HEAD_DIM}")
+    fp8 = args["k_scales"] is not None
+    if (args["v_scales"] is not None) != fp8 or k_pages.dtype != v_pages.dtype:
+        reasons.append(f"k_pages {k_pages.dtype} / v_pages {v_pages.dtype}: both pools fp8 or "
+                       f"both float")
+    elif not fp8 and jnp.dtype(k_pages.dtype) != jnp.dtype(q.dtype):
+        reasons.append(f"pages of {k_pages.dtype} with q of {q.dtype}: float pages must be in "
+                       f"q's dtype (or fp8)")
+    return reasons
 
 
 def _launch(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sinks, k_scales,
@@ -348,38 +346,23 @@ def _launch(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sin
 @functools.partial(jax.jit, static_argnames=("scale", "config"))
 def _paged_prefill(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sinks,
                    k_scales, v_scales, *, scale, config):
-    def kernel_fn(*args):
-        return _launch(*args, scale=scale, config=config)
-
-    def reference_fn(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sinks,
-                     k_scales, v_scales):
-        return reference.paged_prefill_attention(
-            q, k_pages, v_pages, block_tables, q_offset, kv_lengths, scale=scale, window=window,
-            sinks=sinks, k_scales=k_scales, v_scales=v_scales)
-
-    b, kh = q.shape[0], k_pages.shape[0]
-    ints = [jnp.broadcast_to(jnp.asarray(x, jnp.int32), shape) for x, shape in (
-        (q_offset, (b,)), (kv_lengths, (b,)), (window, (b, kh)), (sinks, (b, kh)))]
-    return with_reference_gradient(kernel_fn, reference_fn)(
-        q, k_pages, v_pages, block_tables, *ints, k_scales, v_scales)
+    return _launch(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sinks,
+                   k_scales, v_scales, scale=scale, config=config)
 
 
 def paged_prefill_attention(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, *,
                             scale=None, window=0, sinks=0, k_scales=None, v_scales=None,
                             config: Config | None = None):
-    """Paged chunked prefill through the kernel; arguments as
-    `attn.dense.paged_prefill_attention` (validated there): `q_offset`, `kv_lengths` int or `[B]`,
-    `window`, `sinks` int, `[K]` or `[B, K]`, `scale` a float (default `H ** -0.5`); plus
-    `config` (default: `default_config`). Differentiable: the backward is the XLA reference's.
+    """Paged chunked prefill through the kernel (forward only); arguments as
+    `attn.dense.paged_prefill_attention` (validated there, and `supports` empty): `q_offset`,
+    `kv_lengths` int or `[B]`, `window`, `sinks` int, `[K]` or `[B, K]`, `scale` a float (default
+    `H ** -0.5`); plus `config` (default: `default_config`). The public op differentiates it
+    through the reference (`attn._op`).
 
     Returns:
       `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`.
-
-    Raises:
-      NotImplementedError: see `check_supported` (the caller falls back to XLA).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    check_supported(q, k_pages, v_pages, scale=scale, k_scales=k_scales, v_scales=v_scales)
     if config is None:
         config = default_config(q.shape[-1], v_pages.shape[-1])
     return _paged_prefill(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sinks,

@@ -17,6 +17,7 @@ from attn import _checks
 from attn._checks import concrete as _concrete
 from attn.block_sparse import block_sparse_attention
 from attn.elastic import reference
+from attn.xattention import reference as xattention_reference
 from attn.xattention import xattn_estimate
 
 _pool = jax.jit(reference.ctx_q_pool, static_argnames=("boundary",))
@@ -111,7 +112,7 @@ def elastic_prefill_attention(
     *,
     block_size: int = 128,
     stride: int = 16,
-    threshold: float = 0.9,
+    threshold: float = xattention_reference.DEFAULT_THRESHOLD,
     norm: float = 1.0,
     chunk_size: int | None = None,
     estimate_fp8: bool = False,

@@ -3,8 +3,7 @@
 Semantics, layouts and the HF conventions they follow are documented in `attn/gdn/reference.py`.
 `gdn_decode_pool` has a Triton kernel (`attn/gdn/triton.py`) and `gdn_chunked` /
 `gdn_prefill_pool` a chunked one for prefill (`attn/gdn/triton_chunk.py`, chunk_size 64 only), the
-defaults on a GPU; the other ops are XLA only and raise NotImplementedError for
-`implementation="triton"` / `"mosaic"`.
+defaults on a GPU; the other ops are XLA only and take no `implementation=`.
 """
 
 from jaxtyping import Array, Bool, Float, Int
@@ -14,7 +13,6 @@ from attn._harness import resolve_implementation
 from attn.conv1d.api import check_cu_seqlens, check_slot_ids
 from attn.gdn import reference
 
-_SUPPORTED = ("xla",)
 _DECODE_POOL_SUPPORTED = ("triton", "xla")
 _CHUNKED_SUPPORTED = ("triton", "xla")
 _TRITON_CHUNK = 64  # attn.gdn.triton_chunk.CHUNK, without importing triton here
@@ -94,10 +92,8 @@ def _chunked_backend(implementation: str, chunk_size: int):
 def gdn_gating(
     a: Float[Array, "*R Nv"], b: Float[Array, "*R Nv"],
     A_log: Float[Array, " Nv"], dt_bias: Float[Array, " Nv"],
-    *,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "*R Nv"], Float[Array, "*R Nv"]]:
-    """Gated DeltaNet gates, in float32 (HF / SGLang `fused_gdn_gating`).
+    """Gated DeltaNet gates, in float32 (HF / SGLang `fused_gdn_gating`); XLA only.
 
     `g = -exp(A_log) · softplus(a + dt_bias)` (softplus is the identity above 20, as torch's) and
     `beta = sigmoid(b)`.
@@ -107,7 +103,6 @@ def gdn_gating(
       b: `[*R, Nv]` write-strength projection (`in_proj_b`).
       A_log: `[Nv]`.
       dt_bias: `[Nv]`.
-      implementation: `"xla"` or `"auto"`.
 
     Returns:
       `(g, beta)` float32, shaped like `a`; `g <= 0`.
@@ -123,7 +118,6 @@ def gdn_gating(
     for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
         if x.shape != a.shape[-1:]:
             raise ValueError(f"{name}.shape={x.shape} must be (Nv,)={a.shape[-1:]}")
-    resolve_implementation(implementation, supported=_SUPPORTED)
     return reference.gdn_gating(a, b, A_log, dt_bias)
 
 
@@ -147,9 +141,8 @@ def gdn_recurrent(
     scale: float | None = None,
     initial_state: Float[Array, "B Nv H Hv"] | None = None,
     use_qk_l2norm: bool = False,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B T Nv Hv"], Float[Array, "B Nv H Hv"]]:
-    """Gated delta rule, token by token (HF `torch_recurrent_gated_delta_rule`).
+    """Gated delta rule, token by token (HF `torch_recurrent_gated_delta_rule`); XLA only.
 
     Args:
       q, k: `[B, T, Nk, H]`.
@@ -159,7 +152,6 @@ def gdn_recurrent(
       scale: query scale; None means `H ** -0.5`.
       initial_state: `[B, Nv, H, Hv]` (cast to float32), or None for zeros.
       use_qk_l2norm: l2-normalise q and k over H first (the Qwen3-Next / Qwen3.5 models do).
-      implementation: `"xla"` or `"auto"`.
 
     Returns:
       `(o [B, T, Nv, Hv] in q.dtype, final_state [B, Nv, H, Hv] float32)`.
@@ -172,7 +164,6 @@ def gdn_recurrent(
     bsz, _, _, nv, h, hv = _check_inputs(q, k, v, g, beta, scale)
     if initial_state is not None:
         _check_state("initial_state", initial_state, bsz, nv, h, hv)
-    resolve_implementation(implementation, supported=_SUPPORTED)
     _check_gates(g, beta)
     return reference.gdn_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                    use_qk_l2norm=use_qk_l2norm)
@@ -227,15 +218,13 @@ def gdn_decode_step(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B 1 Nv Hv"], Float[Array, "B Nv H Hv"]]:
-    """One decode token of the gated delta rule.
+    """One decode token of the gated delta rule; XLA only.
 
     Args:
       q, k: `[B, 1, Nk, H]`; v `[B, 1, Nv, Hv]`; g, beta `[B, 1, Nv]`.
       state: `[B, Nv, H, Hv]` recurrent state (cast to float32).
       scale, use_qk_l2norm: as `gdn_recurrent`.
-      implementation: `"xla"` or `"auto"`.
 
     Returns:
       `(o [B, 1, Nv, Hv] in q.dtype, new_state [B, Nv, H, Hv] float32)`.
@@ -247,7 +236,6 @@ def gdn_decode_step(
     """
     bsz, _, _, nv, h, hv = _check_inputs(q, k, v, g, beta, scale, single_token=True)
     _check_state("state", state, bsz, nv, h, hv)
-    resolve_implementation(implementation, supported=_SUPPORTED)
     _check_gates(g, beta)
     return reference.gdn_decode_step(q, k, v, g, beta, state, scale=scale,
                                      use_qk_l2norm=use_qk_l2norm)

@@ -29,7 +29,7 @@ Slot pools: `ssm_pool [slots, Nv, H, Hv]` float32, slot 0 is the null slot (see
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float
 
 from attn.conv1d.reference import gather_slots
 
@@ -89,19 +89,9 @@ def _delta_step(state, q, k, v, g, beta):
     return state, jnp.einsum("bnhv,bnh->bnv", state, q, precision=_HI)
 
 
-def gdn_recurrent(
-    q: Float[Array, "B T Nk H"], k: Float[Array, "B T Nk H"], v: Float[Array, "B T Nv Hv"],
-    g: Float[Array, "B T Nv"], beta: Float[Array, "B T Nv"],
-    *,
-    scale: float | None = None,
-    initial_state: Float[Array, "B Nv H Hv"] | None = None,
-    use_qk_l2norm: bool = False,
-) -> tuple[Float[Array, "B T Nv Hv"], Float[Array, "B Nv H Hv"]]:
-    """Token-by-token gated delta rule (`lax.scan` over T): the specification.
-
-    Returns:
-      `(o [B, T, Nv, Hv] in q.dtype, final_state [B, Nv, H, Hv] float32)`.
-    """
+def gdn_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=False):
+    """Specification of `attn.gdn.gdn_recurrent`: the gated delta rule token by token
+    (`lax.scan` over T)."""
     q32, k32, v32, g32, b32 = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     bsz, _, nv, hv = v.shape
     state = _initial(initial_state, (bsz, nv, q.shape[-1], hv))
@@ -110,18 +100,8 @@ def gdn_recurrent(
     return jnp.moveaxis(o, 0, 1).astype(q.dtype), state
 
 
-def gdn_decode_step(
-    q: Float[Array, "B 1 Nk H"], k: Float[Array, "B 1 Nk H"], v: Float[Array, "B 1 Nv Hv"],
-    g: Float[Array, "B 1 Nv"], beta: Float[Array, "B 1 Nv"], state: Float[Array, "B Nv H Hv"],
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
-) -> tuple[Float[Array, "B 1 Nv Hv"], Float[Array, "B Nv H Hv"]]:
-    """One decode token: a rank-1 update per head, no scan.
-
-    Returns:
-      `(o [B, 1, Nv, Hv] in q.dtype, new_state [B, Nv, H, Hv] float32)`.
-    """
+def gdn_decode_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
+    """Specification of `attn.gdn.gdn_decode_step`: a rank-1 update per head, no scan."""
     q32, k32, v32, g32, b32 = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     state, o = _delta_step(state.astype(jnp.float32), q32[:, 0], k32[:, 0], v32[:, 0],
                            g32[:, 0], b32[:, 0])
@@ -168,26 +148,11 @@ def _inter_chunk(state, pieces):
     return state, o
 
 
-def gdn_chunked(
-    q: Float[Array, "B T Nk H"], k: Float[Array, "B T Nk H"], v: Float[Array, "B T Nv Hv"],
-    g: Float[Array, "B T Nv"], beta: Float[Array, "B T Nv"],
-    *,
-    scale: float | None = None,
-    initial_state: Float[Array, "Ns Nv H Hv"] | None = None,
-    use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
-    cu_seqlens: Int[Array, " Ns+1"] | None = None,
-) -> tuple[Float[Array, "B T Nv Hv"], Float[Array, "Ns Nv H Hv"]]:
-    """Chunked (WY) gated delta rule: intra-chunk work batched, `lax.scan` over chunks.
-
-    With `cu_seqlens` the input is one packed row (`B == 1`) of `Ns` sequences; chunks are laid out
-    per sequence, so none crosses a boundary, and the state restarts from `initial_state[i]` at
-    the first chunk of sequence i.
-
-    Returns:
-      `(o [B, T, Nv, Hv] in q.dtype, final_state [Ns, Nv, H, Hv] float32)`, `Ns = B` without
-      `cu_seqlens`.
-    """
+def gdn_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=False,
+                chunk_size=64, cu_seqlens=None):
+    """Specification of `attn.gdn.gdn_chunked`: the chunked (WY) form, intra-chunk work batched
+    and `lax.scan` over chunks; with `cu_seqlens` chunks never cross a sequence boundary and the
+    state restarts from `initial_state[i]` at sequence i."""
     if cu_seqlens is not None:
         return _chunked_varlen(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, chunk_size,
                                cu_seqlens)
@@ -255,40 +220,21 @@ def _chunked_varlen(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, c, cu
     return out[None].astype(q.dtype), finals
 
 
-def gdn_decode_pool(
-    q: Float[Array, "B 1 Nk H"], k: Float[Array, "B 1 Nk H"], v: Float[Array, "B 1 Nv Hv"],
-    g: Float[Array, "B 1 Nv"], beta: Float[Array, "B 1 Nv"],
-    ssm_pool: Float[Array, "slots Nv H Hv"], slot_ids: Int[Array, " B"],
-    *,
-    has_initial_state: Bool[Array, " B"] | None = None,
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
-) -> tuple[Float[Array, "B 1 Nv Hv"], Float[Array, "slots Nv H Hv"]]:
-    """Decode on a slot pool: gather `pool[slot_ids]` (zeros for padding / fresh rows), step,
-    scatter back. Padding rows (slot 0) output 0 and write to the null slot 0.
-    """
+def gdn_decode_pool(q, k, v, g, beta, ssm_pool, slot_ids, *, has_initial_state=None, scale=None,
+                    use_qk_l2norm=False):
+    """Specification of `attn.gdn.gdn_decode_pool`: gather `pool[slot_ids]` (zeros for padding /
+    fresh rows), step, scatter back; padding rows (slot 0) output 0 and write the null slot."""
     state, ids = gather_slots(ssm_pool, slot_ids, has_initial_state)
     o, state = gdn_decode_step(q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
     o = jnp.where((ids > 0)[:, None, None, None], o, jnp.zeros((), o.dtype))
     return o, ssm_pool.at[ids].set(state.astype(ssm_pool.dtype))
 
 
-def gdn_prefill_pool(
-    q: Float[Array, "B T Nk H"], k: Float[Array, "B T Nk H"], v: Float[Array, "B T Nv Hv"],
-    g: Float[Array, "B T Nv"], beta: Float[Array, "B T Nv"],
-    ssm_pool: Float[Array, "slots Nv H Hv"], slot_ids: Int[Array, " Ns"],
-    *,
-    has_initial_state: Bool[Array, " Ns"] | None = None,
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
-    cu_seqlens: Int[Array, " Ns+1"] | None = None,
-    chunked=None,
-) -> tuple[Float[Array, "B T Nv Hv"], Float[Array, "slots Nv H Hv"]]:
-    """Chunked prefill on a slot pool: `h0 = where(has_init, pool[slot], 0)`, final states written
-    back to the slots. Tokens of padding rows / sequences (slot 0) output 0. `chunked` replaces
-    `gdn_chunked` (same keywords; the api passes the Triton pipeline), None for this reference.
-    """
+def gdn_prefill_pool(q, k, v, g, beta, ssm_pool, slot_ids, *, has_initial_state=None, scale=None,
+                     use_qk_l2norm=False, chunk_size=64, cu_seqlens=None, chunked=None):
+    """Specification of `attn.gdn.gdn_prefill_pool`: `h0 = where(has_init, pool[slot], 0)`, final
+    states written back, padding tokens (slot 0) output 0. `chunked` replaces `gdn_chunked` (same
+    keywords; the api passes the Triton pipeline), None for this reference."""
     h0, ids = gather_slots(ssm_pool, slot_ids, has_initial_state)
     chunked = gdn_chunked if chunked is None else chunked
     o, final = chunked(q, k, v, g, beta, scale=scale, initial_state=h0,

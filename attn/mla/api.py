@@ -1,7 +1,9 @@
-"""Public MLA ops: validation once, then the chosen backend.
+"""Public MLA ops: validation once, then the backend.
 
-Only the `xla` reference exists so far; `implementation="triton"` raises NotImplementedError and
-`"auto"` picks `xla` everywhere.
+`mla_paged_decode` has the XLA reference and a Triton kernel (`attn/mla/triton.py`); the other
+ops are XLA only. The scale defaults to `H ** -0.5` of the op's query head dim, as in every op:
+`Dn + R` for the attention ops, `L + R` for decode; DeepSeek's models pass their own
+(`(Dn + R) ** -0.5 · mscale²`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from attn import _checks
-from attn._harness import resolve_implementation
+from attn._op import Backend, op
 from attn.mla import reference
-
-_SUPPORTED = ("xla",)
 
 # One compiled program per shape instead of one per primitive: eager dispatch of the references
 # compiles dozens of small ops. Under an outer `jit` these simply inline.
@@ -29,24 +29,44 @@ _partials = jax.jit(reference.mla_paged_decode_partials,
 _decode = jax.jit(reference.mla_paged_decode, static_argnames=("kv_lora_rank", "num_splits"))
 
 
-def _decode_triton(*args, **kwargs):
+def _decode_triton(*, num_splits, config, **args):
+    del num_splits  # the kernel's split count is its config's
     from attn.mla import triton as mla_triton  # imports triton: only when asked for
 
-    return _decode_triton_jit(mla_triton)(*args, **kwargs)
+    return _decode_triton_jit(mla_triton)(**args, config=config)
 
 
 @functools.cache
 def _decode_triton_jit(module):
-    return jax.jit(module.mla_paged_decode, static_argnames=("kv_lora_rank",))
+    return jax.jit(module.mla_paged_decode, static_argnames=("kv_lora_rank", "config"))
+
+
+def _decode_config(args):
+    from attn.mla import triton as mla_triton
+
+    q_lat, tables, pages = args["q_lat"], args["block_tables"], args["latent_pages"]
+    return mla_triton.default_config(q_lat.shape[0], q_lat.shape[1],
+                                     tables.shape[1] * pages.shape[1],
+                                     fp8=args["latent_scales"] is not None,
+                                     itemsize=jnp.dtype(pages.dtype).itemsize)
+
+
+_DECODE_BACKENDS = (
+    Backend(name="triton", run=_decode_triton, config_type="attn.mla.triton:Config",
+            default_config=_decode_config),
+    Backend(name="xla", run=_decode, platforms=("cpu", "gpu")),
+)
 _absorb = jax.jit(lambda q, w: reference.absorb_query(q, w).astype(q.dtype))
 _expand = jax.jit(lambda o, w: reference.expand_output(o, w).astype(o.dtype))
 _LATENT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
-def _check_scale(scale) -> None:
-    """The shared rule (`_checks.check_scale`); a traced scalar array is accepted unchecked."""
-    _checks.check_scale(scale, allow_none=False, allow_traced=True)
+def _check_scale(scale, head_dim: int):
+    """The shared rule (`_checks.check_scale`; a traced scalar array is accepted unchecked);
+    None becomes `head_dim ** -0.5`."""
+    _checks.check_scale(scale, allow_traced=True)
+    return head_dim**-0.5 if scale is None else scale
 
 
 def _check_positive_int(name: str, value) -> None:
@@ -80,7 +100,6 @@ def _check_attention_inputs(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, q_offse
         raise ValueError(f"w_uk.shape={w_uk.shape} must be [N, Dn, L]={(n, dn, l)}")
     if (w_uv.shape[0], w_uv.shape[2]) != (n, l):
         raise ValueError(f"w_uv.shape={w_uv.shape} must be [N, Hv, L] with N={n}, L={l}")
-    _check_scale(scale)
     if isinstance(q_offset, jax.Array | np.ndarray):
         _checks.check_integer("q_offset", q_offset)
         if q_offset.shape not in ((), (b,)):
@@ -177,10 +196,9 @@ def expand_output(
     return _expand(o_lat, w_uv)
 
 
-def _attention(fn, q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, causal, q_offset, kv_lengths,
-               implementation):
+def _attention(fn, q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, causal, q_offset, kv_lengths):
     _check_attention_inputs(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, q_offset, kv_lengths)
-    resolve_implementation(implementation, supported=_SUPPORTED)
+    scale = _check_scale(scale, q_nope.shape[-1] + q_pe.shape[-1])
     return fn(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale=scale, causal=causal,
               q_offset=q_offset, kv_lengths=kv_lengths)
 
@@ -193,11 +211,10 @@ def mla_naive_attention(
     w_uk: Float[Array, "N Dn L"],
     w_uv: Float[Array, "N Hv L"],
     *,
-    scale: float,
+    scale: float | None = None,
     causal: bool = True,
     q_offset: int | Int[Array, " B"] = 0,
     kv_lengths: Int[Array, " B"] | None = None,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
     """Materialised MLA (prefill form): `k = [w_uk c ‖ k_pe]`, `v = w_uv c`, multi-head attention.
 
@@ -208,24 +225,22 @@ def mla_naive_attention(
       k_pe: `[B, S, R]` rope key, already rotated; one head shared by all query heads.
       w_uk: `[N, Dn, L]` key up-projection; `w_uv`: `[N, Hv, L]` value up-projection
         (`split_kv_b` of HF's `kv_b_proj.weight`).
-      scale: softmax scale, explicit: DeepSeek uses `(Dn + R) ** -0.5 · mscale²`.
+      scale: softmax scale; default `(Dn + R) ** -0.5` (DeepSeek: `(Dn + R) ** -0.5 · mscale²`).
       causal: key s visible iff `s <= q_offset + t`.
       q_offset: int or `[B]` int32 absolute position of query 0 (cached prefix for chunked
         prefill).
       kv_lengths: `[B]` int32; keys `s >= kv_lengths[b]` are masked. None: all `S` keys.
-      implementation: `"xla"` or `"auto"`.
 
     Returns:
       `(out [B, T, N, Hv] in q_nope's dtype, lse [B, T, N] float32)`; rows with no visible key
       give 0 and `-inf`.
 
     Raises:
-      ValueError: ranks or sizes disagree, a non-positive scale, unknown implementation.
+      ValueError: ranks or sizes disagree, a non-positive scale.
       TypeError: non-floating tensors, non-integer offsets or lengths.
-      NotImplementedError: `implementation="triton"` (no kernel yet).
     """
     return _attention(_naive, q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale,
-                      causal, q_offset, kv_lengths, implementation)
+                      causal, q_offset, kv_lengths)
 
 
 def mla_absorbed_attention(
@@ -236,11 +251,10 @@ def mla_absorbed_attention(
     w_uk: Float[Array, "N Dn L"],
     w_uv: Float[Array, "N Hv L"],
     *,
-    scale: float,
+    scale: float | None = None,
     causal: bool = True,
     q_offset: int | Int[Array, " B"] = 0,
     kv_lengths: Int[Array, " B"] | None = None,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
     """Absorbed MLA: `q_lat = w_ukᵀ q_nope`, attend over `[c_kv ‖ k_pe]` (value `c_kv`), `w_uv o`.
 
@@ -248,18 +262,18 @@ def mla_absorbed_attention(
     one latent KV head of `L + R` dims instead of `N` heads of `Dn + R`.
     """
     return _attention(_absorbed, q_nope, q_pe, c_kv, k_pe, w_uk, w_uv,
-                      scale, causal, q_offset, kv_lengths, implementation)
+                      scale, causal, q_offset, kv_lengths)
 
 
-def _check_decode_inputs(q_lat, q_pe, latent_pages, block_tables, lengths, kv_lora_rank, scale,
-                         latent_scales, num_splits):
+def _check_decode_inputs(q_lat, q_pe, latent_pages, block_tables, kv_lengths, kv_lora_rank, scale,
+                         latent_scales, num_splits) -> dict:
+    """Validate the decode arguments; return them with the scale's default applied."""
     _check_positive_int("kv_lora_rank", kv_lora_rank)
     _check_positive_int("num_splits", num_splits)
-    _check_scale(scale)
     for name, x, letters in (
         ("q_lat", q_lat, "B N L"), ("q_pe", q_pe, "B N R"),
         ("latent_pages", latent_pages, "num_pages P L+R"),
-        ("block_tables", block_tables, "B max_pages"), ("lengths", lengths, "B"),
+        ("block_tables", block_tables, "B max_pages"), ("kv_lengths", kv_lengths, "B"),
     ):
         _checks.check_rank(name, x, len(letters.split()), letters)
     _checks.check_floating("q_lat", q_lat)
@@ -276,22 +290,28 @@ def _check_decode_inputs(q_lat, q_pe, latent_pages, block_tables, lengths, kv_lo
         raise ValueError(f"q_pe.shape={q_pe.shape} must be [B, N, R]={(b, n, r)} "
                          f"(R = latent_pages.shape[-1] - kv_lora_rank)")
     _checks.check_same("block_tables.shape[0]", block_tables.shape[0], "q_lat.shape[0]", b)
-    _check_lengths("lengths", lengths, b)
+    _check_lengths("kv_lengths", kv_lengths, b)
     num_pages, p, _ = latent_pages.shape
     # Concrete lengths in [0, max_pages * P]; traced ones are clamped there. Table ids are data:
     # an id outside [0, num_pages) is an absent page (checked mode: both fail at run time).
-    _checks.check_range("lengths", lengths, 0, block_tables.shape[1] * p)
+    _checks.check_range("kv_lengths", kv_lengths, 0, block_tables.shape[1] * p)
     _checks.check_table_ids("block_tables", block_tables, num_pages)
     if latent_scales is None:
         if jnp.dtype(latent_pages.dtype) == _FP8:
             raise TypeError(f"latent_pages.dtype={latent_pages.dtype} needs latent_scales")
         _checks.check_dtype("latent_pages", latent_pages, _LATENT_DTYPES)
-        return
-    _checks.check_dtype("latent_pages", latent_pages, (_FP8,))
-    _checks.check_rank("latent_scales", latent_scales, 2, "num_pages P//sub_block")
-    _checks.check_dtype("latent_scales", latent_scales, (jnp.float32,))
-    _checks.check_same("latent_scales.shape[0]", latent_scales.shape[0], "num_pages", num_pages)
-    _checks.check_divisible("page size P", p, "latent_scales.shape[1]", latent_scales.shape[1])
+    else:
+        _checks.check_dtype("latent_pages", latent_pages, (_FP8,))
+        _checks.check_rank("latent_scales", latent_scales, 2, "num_pages P//sub_block")
+        _checks.check_dtype("latent_scales", latent_scales, (jnp.float32,))
+        _checks.check_same("latent_scales.shape[0]", latent_scales.shape[0], "num_pages",
+                           num_pages)
+        _checks.check_divisible("page size P", p, "latent_scales.shape[1]",
+                                latent_scales.shape[1])
+    return dict(q_lat=q_lat, q_pe=q_pe, latent_pages=latent_pages, block_tables=block_tables,
+                kv_lengths=kv_lengths, kv_lora_rank=kv_lora_rank,
+                scale=_check_scale(scale, lr), latent_scales=latent_scales,
+                num_splits=num_splits)
 
 
 def mla_paged_decode_partials(
@@ -299,19 +319,19 @@ def mla_paged_decode_partials(
     q_pe: Float[Array, "B N R"],
     latent_pages: Float[Array, "num_pages P LR"],
     block_tables: Int[Array, "B max_pages"],
-    lengths: Int[Array, " B"],
+    kv_lengths: Int[Array, " B"],
     *,
     kv_lora_rank: int,
-    scale: float,
+    scale: float | None = None,
     latent_scales: Float[Array, "num_pages P_sub"] | None = None,
     num_splits: int = 1,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B N J L"], Float[Array, "B N J"]]:
-    """Split-KV stage 1 of `mla_paged_decode`: one partial per split, before the merge.
+    """Split-KV stage 1 of `mla_paged_decode`: one partial per split, before the merge (XLA).
 
-    Row b's `cdiv(lengths[b], P)` pages are cut into `num_splits` page-aligned runs of
-    `c_b = cdiv(cdiv(lengths[b], P), num_splits)` pages (split j: pages `[j·c_b, (j+1)·c_b)`), so
-    every row's work is balanced by its own length; trailing splits may be empty.
+    Row b's `cdiv(kv_lengths[b], P)` pages are cut into `num_splits` page-aligned runs of
+    `c_b = cdiv(cdiv(kv_lengths[b], P), num_splits)` pages (split j: pages
+    `[j·c_b, (j+1)·c_b)`), so every row's work is balanced by its own length; trailing splits may
+    be empty.
 
     Args: as `mla_paged_decode`.
 
@@ -321,27 +341,22 @@ def mla_paged_decode_partials(
 
     Raises: as `mla_paged_decode`.
     """
-    _check_decode_inputs(q_lat, q_pe, latent_pages, block_tables, lengths, kv_lora_rank, scale,
-                         latent_scales, num_splits)
-    resolve_implementation(implementation, supported=_SUPPORTED)
-    return _partials(
-        q_lat, q_pe, latent_pages, block_tables, lengths, kv_lora_rank=kv_lora_rank, scale=scale,
-        latent_scales=latent_scales, num_splits=num_splits,
-    )
+    return _partials(**_check_decode_inputs(q_lat, q_pe, latent_pages, block_tables, kv_lengths,
+                                            kv_lora_rank, scale, latent_scales, num_splits))
 
 
+@op(name="mla_paged_decode", backends=_DECODE_BACKENDS)
 def mla_paged_decode(
     q_lat: Float[Array, "B N L"],
     q_pe: Float[Array, "B N R"],
     latent_pages: Float[Array, "num_pages P LR"],
     block_tables: Int[Array, "B max_pages"],
-    lengths: Int[Array, " B"],
+    kv_lengths: Int[Array, " B"],
     *,
     kv_lora_rank: int,
-    scale: float,
+    scale: float | None = None,
     latent_scales: Float[Array, "num_pages P_sub"] | None = None,
     num_splits: int = 1,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B N L"], Float[Array, "B N"]]:
     """Absorbed MLA decode (one query token per row) over the paged latent cache.
 
@@ -356,16 +371,20 @@ def mla_paged_decode(
       block_tables: `[B, max_pages]` int32 page ids; `-1` = unallocated. Every id outside
         `[0, num_pages)` is an absent page: its tokens are invisible and never read (every
         backend).
-      lengths: `[B]` int32 tokens in the cache, the decode token included; 0 marks a padding row.
+      kv_lengths: `[B]` int32 tokens in the cache, the decode token included; 0: a padding row.
         Concrete lengths must lie in `[0, max_pages · P]`; traced ones are clamped there.
       kv_lora_rank: `L` (from the config; `R = latent_pages.shape[-1] - L`).
-      scale: softmax scale, explicit (DeepSeek: `(Dn + R) ** -0.5 · mscale²`, not `(L+R) ** -0.5`).
+      scale: softmax scale; default `(L + R) ** -0.5`, the op's query head dim. DeepSeek's
+        models pass theirs, `(Dn + R) ** -0.5 · mscale²`.
       latent_scales: fp8 only: `[num_pages, P // sub_block]` float32; value of token s of page g is
         `latent_pages[g, s].astype(f32) * latent_scales[g, s // sub_block]`.
       num_splits: split-KV factor (see `mla_paged_decode_partials`); the result does not depend on
         it beyond rounding.
-      implementation: `"xla"`, `"triton"` or `"auto"` (the Triton kernel on a GPU; it picks its
-        own split count, `num_splits` applies to `"xla"`).
+      implementation: `"xla"`, `"triton"` (forward only: differentiating it raises a TypeError) or
+        `"auto"` (the Triton kernel on a GPU; its split count is its config's, `num_splits`
+        applies to `"xla"`).
+      config: an `attn.mla.triton.Config` (names the Triton backend); default:
+        `attn.mla.triton.default_config`.
 
     Returns:
       `(o_lat [B, N, L] in q_lat's dtype, lse [B, N] float32)`; rows with length 0 give exactly 0
@@ -374,21 +393,12 @@ def mla_paged_decode(
     Raises:
       ValueError: ranks or sizes disagree (q_pe's rope dim, batch sizes, scale rows, P not
         divisible by the number of scale sub-blocks), non-positive `scale` / `num_splits` /
-        `kv_lora_rank`, concrete lengths outside `[0, max_pages · P]`, unknown implementation.
+        `kv_lora_rank`, concrete kv_lengths outside `[0, max_pages · P]`, unknown implementation.
         In the checked mode (`attn.debug_checks`) traced lengths outside it and table ids
         outside `[-1, num_pages)` fail at run time.
       TypeError: wrong dtypes (fp8 pages without scales or scales with non-fp8 pages, integer
         queries, float tables or lengths).
-      NotImplementedError: `implementation="triton"` (no kernel yet).
+      NotImplementedError: an implementation this op does not have.
     """
-    _check_decode_inputs(q_lat, q_pe, latent_pages, block_tables, lengths, kv_lora_rank, scale,
-                         latent_scales, num_splits)
-    if resolve_implementation(implementation, supported=("triton", "xla")) == "triton":
-        # The kernel picks its own split count (wave-filling); the result differs by rounding.
-        return _decode_triton(q_lat, q_pe, latent_pages, block_tables, lengths,
-                              kv_lora_rank=kv_lora_rank, scale=scale,
-                              latent_scales=latent_scales)
-    return _decode(
-        q_lat, q_pe, latent_pages, block_tables, lengths, kv_lora_rank=kv_lora_rank, scale=scale,
-        latent_scales=latent_scales, num_splits=num_splits,
-    )
+    return _check_decode_inputs(q_lat, q_pe, latent_pages, block_tables, kv_lengths,
+                                kv_lora_rank, scale, latent_scales, num_splits)

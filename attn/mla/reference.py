@@ -9,7 +9,8 @@ value). Two equal ways to attend:
 * absorbed (decode): `q_lat[n] = w_uk[n]ᵀ q_nope[n]`; one latent KV head, key = all `L + R` dims,
   value = the first `L` dims (`c_kv`); `o[n] = w_uv[n] o_lat[n]`.
 
-The score scale is the caller's (DeepSeek: `(Dn + R) ** -0.5 · mscale²`), never `(L + R) ** -0.5`.
+The score scale is an argument here (the public ops default it); DeepSeek's is
+`(Dn + R) ** -0.5 · mscale²`, never `(L + R) ** -0.5`.
 
 Letters: `Dn` = qk_nope_head_dim, `R` = qk_rope_head_dim, `Hv` = v_head_dim, `L` = kv_lora_rank.
 Single-letter einsum strings write `h` for `Dn` and `v` for `Hv`. Math in float32 inside; outputs in
@@ -69,37 +70,10 @@ def expand_output(
                       precision=_HIGHEST)
 
 
-def mla_naive_attention(
-    q_nope: Float[Array, "B T N Dn"],
-    q_pe: Float[Array, "B T N R"],
-    c_kv: Float[Array, "B S L"],
-    k_pe: Float[Array, "B S R"],
-    w_uk: Float[Array, "N Dn L"],
-    w_uv: Float[Array, "N Hv L"],
-    *,
-    scale: float,
-    causal: bool = True,
-    q_offset: int | Int[Array, " B"] = 0,
-    kv_lengths: Int[Array, " B"] | None = None,
-) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
-    """Materialised MLA: up-project every key and value, then dense multi-head attention.
-
-    Args:
-      q_nope: `[B, T, N, Dn]` query, no-rope part.
-      q_pe: `[B, T, N, R]` query, rope part (already rotated).
-      c_kv: `[B, S, L]` compressed KV (already normed).
-      k_pe: `[B, S, R]` rope key (already rotated), one head shared by all query heads.
-      w_uk: `[N, Dn, L]` key up-projection (see `split_kv_b`).
-      w_uv: `[N, Hv, L]` value up-projection.
-      scale: softmax scale applied to `q·k` over all `Dn + R` dims.
-      causal: mask keys after the query's absolute position `q_offset + t`.
-      q_offset: int or `[B]` int32; absolute position of query 0 (cached prefix length).
-      kv_lengths: `[B]` int32 valid keys per row (keys `s >= kv_lengths[b]` masked), or None.
-
-    Returns:
-      `(out [B, T, N, Hv] in q_nope's dtype, lse [B, T, N] float32)`; a row with no visible key
-      gives 0 and `-inf`.
-    """
+def mla_naive_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, *, scale, causal=True, q_offset=0,
+                        kv_lengths=None):
+    """Specification of `attn.mla.mla_naive_attention` (arguments and results as there):
+    up-project every key and value, then dense multi-head attention over `Dn + R` dims."""
     f32 = jnp.float32
     b, s, _ = c_kv.shape
     n, r = q_nope.shape[2], k_pe.shape[-1]
@@ -114,24 +88,11 @@ def mla_naive_attention(
     return out.astype(q_nope.dtype), lse.astype(f32)
 
 
-def mla_absorbed_attention(
-    q_nope: Float[Array, "B T N Dn"],
-    q_pe: Float[Array, "B T N R"],
-    c_kv: Float[Array, "B S L"],
-    k_pe: Float[Array, "B S R"],
-    w_uk: Float[Array, "N Dn L"],
-    w_uv: Float[Array, "N Hv L"],
-    *,
-    scale: float,
-    causal: bool = True,
-    q_offset: int | Int[Array, " B"] = 0,
-    kv_lengths: Int[Array, " B"] | None = None,
-) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
-    """Absorbed MLA: attend over the latent `[c_kv ‖ k_pe]` with one KV head (MQA).
-
-    Same arguments and results as `mla_naive_attention`, and equal to it:
-    `q_lat·c + q_pe·k_pe = q_nope·(w_uk c) + q_pe·k_pe`, and `w_uv (Σ p c) = Σ p (w_uv c)`.
-    """
+def mla_absorbed_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, *, scale, causal=True,
+                           q_offset=0, kv_lengths=None):
+    """Specification of `attn.mla.mla_absorbed_attention`: attend over the latent
+    `[c_kv ‖ k_pe]` with one KV head (MQA). Equal to `mla_naive_attention`:
+    `q_lat·c + q_pe·k_pe = q_nope·(w_uk c) + q_pe·k_pe`, and `w_uv (Σ p c) = Σ p (w_uv c)`."""
     f32 = jnp.float32
     q_lat = absorb_query(q_nope, w_uk)  # [B, T, N, L]
     q = jnp.concatenate([q_lat, q_pe.astype(f32)], axis=-1)  # [B, T, N, L + R]
@@ -180,33 +141,17 @@ def split_of_token(lengths: Int[Array, " B"], page_size: int, num_pages_per_row:
     return page[None, :] // pages_per_split[:, None]  # [B, S]
 
 
-def mla_paged_decode_partials(
-    q_lat: Float[Array, "B N L"],
-    q_pe: Float[Array, "B N R"],
-    latent_pages: Float[Array, "num_pages P LR"],
-    block_tables: Int[Array, "B max_pages"],
-    lengths: Int[Array, " B"],
-    *,
-    kv_lora_rank: int,
-    scale: float,
-    latent_scales: Float[Array, "num_pages P_sub"] | None = None,
-    num_splits: int = 1,
-) -> tuple[Float[Array, "B N J L"], Float[Array, "B N J"]]:
-    """Split-KV stage 1: one latent-attention partial per split (see `split_of_token`).
-
-    Args: as `mla_paged_decode`.
-
-    Returns:
-      `(o [B, N, num_splits, L] float32, lse [B, N, num_splits] float32)`: each partial normalised
-      within its split; an empty split gives 0 and `-inf`.
-    """
+def mla_paged_decode_partials(q_lat, q_pe, latent_pages, block_tables, kv_lengths, *, kv_lora_rank,
+                              scale, latent_scales=None, num_splits=1):
+    """Specification of `attn.mla.mla_paged_decode_partials`: one latent-attention partial per
+    split (`split_of_token`), each normalised within its split."""
     f32 = jnp.float32
     lr = latent_pages.shape[-1]
     p, max_pages = latent_pages.shape[1], block_tables.shape[1]
     latent = gather_latent(latent_pages, block_tables, latent_scales)  # [B, S, L + R]
     pos = jnp.arange(max_pages * p, dtype=jnp.int32)
     present = jnp.repeat(page_present(block_tables, latent_pages.shape[0]), p, axis=1)  # [B, S]
-    valid = (pos[None, :] < lengths[:, None]) & present  # [B, S]
+    valid = (pos[None, :] < kv_lengths[:, None]) & present  # [B, S]
     # Zero what is not ours before any product: NaN in unowned pages must not reach values or grads.
     latent = jnp.where(valid[..., None], latent, 0.0)
     c, k_pe = latent[..., :kv_lora_rank], latent[..., kv_lora_rank:lr]
@@ -214,7 +159,7 @@ def mla_paged_decode_partials(
         jnp.einsum("bnl,bsl->bns", q_lat.astype(f32), c, precision=_HIGHEST)
         + jnp.einsum("bnr,bsr->bns", q_pe.astype(f32), k_pe, precision=_HIGHEST)
     )  # [B, N, S]
-    split = split_of_token(lengths, p, max_pages, num_splits)  # [B, S]
+    split = split_of_token(kv_lengths, p, max_pages, num_splits)  # [B, S]
     mask = valid[:, None, :] & (split[:, None, :] == jnp.arange(num_splits)[None, :, None])
     scores = jnp.where(mask[:, None], scores[:, :, None, :], -jnp.inf)  # [B, N, J, S]
     # Empty splits from the mask alone: a NaN score makes NaN, never an empty split.
@@ -230,27 +175,12 @@ def mla_paged_decode_partials(
     return o, lse
 
 
-def mla_paged_decode(
-    q_lat: Float[Array, "B N L"],
-    q_pe: Float[Array, "B N R"],
-    latent_pages: Float[Array, "num_pages P LR"],
-    block_tables: Int[Array, "B max_pages"],
-    lengths: Int[Array, " B"],
-    *,
-    kv_lora_rank: int,
-    scale: float,
-    latent_scales: Float[Array, "num_pages P_sub"] | None = None,
-    num_splits: int = 1,
-) -> tuple[Float[Array, "B N L"], Float[Array, "B N"]]:
-    """Absorbed MLA decode over a paged latent cache: split-KV partials merged by log-sum-exp.
-
-    Args: as the public `attn.mla.mla_paged_decode`.
-
-    Returns:
-      `(o_lat [B, N, L] in q_lat's dtype, lse [B, N] float32)`; length-0 rows give 0 and `-inf`.
-    """
+def mla_paged_decode(q_lat, q_pe, latent_pages, block_tables, kv_lengths, *, kv_lora_rank, scale,
+                     latent_scales=None, num_splits=1):
+    """Specification of `attn.mla.mla_paged_decode`: the split-KV partials merged by
+    log-sum-exp."""
     o, lse = mla_paged_decode_partials(
-        q_lat, q_pe, latent_pages, block_tables, lengths, kv_lora_rank=kv_lora_rank, scale=scale,
+        q_lat, q_pe, latent_pages, block_tables, kv_lengths, kv_lora_rank=kv_lora_rank, scale=scale,
         latent_scales=latent_scales, num_splits=num_splits,
     )
     out, lse = merge_reference.merge_partials(o, lse)

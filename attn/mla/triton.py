@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from attn._harness import triton_call
+from attn._op import device_facts
 
 LOG2E = math.log2(math.e)
 
@@ -69,9 +70,6 @@ class Config:
             raise ValueError(f"{self.num_splits=} must be >= 1")
         if self.fp8_compute not in ("float16", "bfloat16"):
             raise ValueError(f"{self.fp8_compute=} must be 'float16' or 'bfloat16'")
-
-
-NUM_SMS = 132  # H100 / H200 SXM
 
 
 def _splits(programs: int, slots: int, max_len: int) -> int:
@@ -113,7 +111,8 @@ def default_config(batch: int, num_heads: int, max_len: int, *, fp8: bool = Fals
     if itemsize > 2 and not fp8:
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
     programs = batch * -(-num_heads // cfg.block_heads)
-    return dataclasses.replace(cfg, num_splits=_splits(programs, per_sm * NUM_SMS, max_len))
+    slots = per_sm * device_facts().num_sms
+    return dataclasses.replace(cfg, num_splits=_splits(programs, slots, max_len))
 
 
 @triton.jit
@@ -299,7 +298,7 @@ def mla_paged_decode_partials(
     return o, lse
 
 
-def mla_paged_decode(q_lat, q_pe, latent_pages, block_tables, lengths, *, kv_lora_rank, scale,
+def mla_paged_decode(q_lat, q_pe, latent_pages, block_tables, kv_lengths, *, kv_lora_rank, scale,
                      latent_scales=None, num_splits: int | None = None,
                      config: Config | None = None):
     """MLA decode through the kernel: `(o_lat [B, N, L] q_lat.dtype, lse [B, N] f32)`.
@@ -315,7 +314,7 @@ def mla_paged_decode(q_lat, q_pe, latent_pages, block_tables, lengths, *, kv_lor
                                 itemsize=jnp.dtype(latent_pages.dtype).itemsize)
     if num_splits is not None:
         config = dataclasses.replace(config, num_splits=num_splits)
-    o, lse = mla_paged_decode_partials(q_lat, q_pe, latent_pages, block_tables, lengths,
+    o, lse = mla_paged_decode_partials(q_lat, q_pe, latent_pages, block_tables, kv_lengths,
                                        kv_lora_rank=kv_lora_rank, scale=scale,
                                        latent_scales=latent_scales, config=config)
     if config.num_splits == 1:

@@ -2,18 +2,18 @@
 
 One query token per batch row attends the keys of its sequence, read through per-KV-head block
 tables: token `s` of row `b` for KV head `k` lives at `pages[k, table[b, k, s // P], s % P]`. The
-query sits at position `lengths[b] - 1` (the decode token is already in the cache). Key `s` is
+query sits at position `kv_lengths[b] - 1` (the decode token is already in the cache). Key `s` is
 visible to KV head `k` iff
 
-    s < lengths[b]  and  s < max_pages * P  and  0 <= table[b, k, s // P] < num_pages
-    and (window[k] <= 0 or s > lengths[b] - 1 - window[k]  or  s < sinks[k])
+    s < kv_lengths[b]  and  s < max_pages * P  and  0 <= table[b, k, s // P] < num_pages
+    and (window[k] <= 0 or s > kv_lengths[b] - 1 - window[k]  or  s < sinks[k])
 
 so tokens on unallocated (-1) pages, and on ids outside the pool (`>= num_pages`, or any other
 negative id), are absent, whatever the window says; tokens past the table do not exist (a length
-past `max_pages * P` keeps its query position, `lengths[b] - 1`, for the window). Every such entry
-is rewritten to the null page 0 before the gather, so no read leaves the pool, and the tokens read
-there are masked. fp8 pages are dequantised with their block-wise scales (`kv.fp8` layout) right
-after the gather.
+past `max_pages * P` keeps its query position, `kv_lengths[b] - 1`, for the window). Every such
+entry is rewritten to the null page 0 before the gather, so no read leaves the pool, and the
+tokens read there are masked. fp8 pages are dequantised with their block-wise scales (`kv.fp8`
+layout) right after the gather.
 
 The reference gathers the whole table, `[B, max_pages * P, K, H]`: it is the specification, not a
 fast path. Math in float32; masked keys and values are zeroed before the einsums, so NaN in memory
@@ -42,26 +42,11 @@ def per_head(value: int | Array | None, num_kv_heads: int) -> Int[Array, "*B K"]
     return value if value.ndim == 2 else jnp.broadcast_to(value, (num_kv_heads,))
 
 
-def gather_pages(
-    pages: Array,
-    block_tables: Int[Array, "B K M"],
-    scales: Float[Array, "K num_pages C"] | None = None,
-    *,
-    dtype=None,
-) -> Float[Array, "B S K H"]:
-    """Gather each row's tokens through its per-head block table into a dense `[B, S, K, H]`.
-
-    Args:
-      pages: `[K, num_pages, P, H]` page pool (any float dtype, or e4m3 with `scales`).
-      block_tables: `[B, K, M]` int32; ids outside `[0, num_pages)` (-1 included) read the null
-        page 0.
-      scales: `[K, num_pages, P // sub_block]` float32 fp8 scales, or None.
-      dtype: output dtype; default float32 when `scales` is given, else `pages.dtype`.
-
-    Returns:
-      `[B, S = M * P, K, H]`: key/value `s` of row `b`, head `k` at `[b, s, k]`. Tokens past a row's
-      length, and tokens of absent pages (null page content), are returned as stored: mask them.
-    """
+def gather_pages(pages, block_tables, scales=None, *, dtype=None):
+    """Specification of `attn.paged_decode.gather_pages`: every row's tokens through its per-head
+    table into `[B, S = M * P, K, H]`; absent ids read the null page 0, fp8 pages are dequantised
+    with `scales` (float32 output unless `dtype`). Tokens past a row's length and of absent pages
+    come back as stored: mask them."""
     return _gather_head_major(pages, block_tables, scales, dtype).transpose(0, 2, 1, 3)
 
 
@@ -119,37 +104,10 @@ def split_ids(lengths: Int[Array, " B"], num_keys: int, page_size: int,
     return jnp.arange(num_keys, dtype=jnp.int32)[None, :] // per_split[:, None]
 
 
-def paged_decode_partials(
-    q: Float[Array, "B N H"],
-    k_pages: Array,
-    v_pages: Array,
-    block_tables: Int[Array, "B K M"],
-    lengths: Int[Array, " B"],
-    *,
-    num_splits: int,
-    scale: float | None = None,
-    window: int | Int[Array, "*B K"] | None = None,
-    sinks: int | Int[Array, "*B K"] | None = None,
-    k_scales: Float[Array, "K num_pages C"] | None = None,
-    v_scales: Float[Array, "K num_pages C"] | None = None,
-) -> tuple[Float[Array, "B N J Hv"], Float[Array, "B N J"]]:
-    """Per-split attention of the decode query (`J = num_splits`, split rule: `split_ids`).
-
-    Args:
-      q: `[B, N, H]` decode queries.
-      k_pages: `[K, num_pages, P, H]` (float, or e4m3 with `k_scales`).
-      v_pages: `[K, num_pages, P, Hv]` (float, or e4m3 with `v_scales`).
-      block_tables: `[B, K, M]` int32 per-head page ids, -1 = not allocated.
-      lengths: `[B]` int32 tokens in the cache (0 = padding row).
-      num_splits: number of key splits `J`.
-      scale: score scale, default `H ** -0.5`.
-      window, sinks: None, an int, or `[K]` int32 (`window <= 0`: full).
-      k_scales, v_scales: fp8 scales `[K, num_pages, P // sub_block]`, or None.
-
-    Returns:
-      `(o [B, N, J, Hv] float32, lse [B, N, J] float32)`, each split normalised on its own; a split
-      with no visible key gives 0 and -inf.
-    """
+def paged_decode_partials(q, k_pages, v_pages, block_tables, kv_lengths, *, num_splits, scale=None,
+                          window=None, sinks=0, k_scales=None, v_scales=None):
+    """Specification of `attn.paged_decode.paged_decode_partials` (arguments and results as
+    there): per-split attention of the decode query, split rule `split_ids`."""
     batch, num_heads, head_dim = q.shape
     num_kv, num_pages, page, _ = k_pages.shape
     group = num_heads // num_kv
@@ -157,10 +115,10 @@ def paged_decode_partials(
     k = _gather_head_major(k_pages, block_tables, k_scales, jnp.float32)  # [B, K, S, H]
     v = _gather_head_major(v_pages, block_tables, v_scales, jnp.float32)  # [B, K, S, Hv]
     num_keys = k.shape[2]
-    visible = visible_mask(block_tables, lengths, page, window, sinks, num_pages)  # [B, K, S]
+    visible = visible_mask(block_tables, kv_lengths, page, window, sinks, num_pages)  # [B, K, S]
     k = jnp.where(visible[..., None], k, 0.0)
     v = jnp.where(visible[..., None], v, 0.0)
-    splits = split_ids(lengths, num_keys, page, num_splits)  # [B, S]
+    splits = split_ids(kv_lengths, num_keys, page, num_splits)  # [B, S]
     in_split = splits[:, None, :] == jnp.arange(num_splits)[None, :, None]  # [B, J, S]
     mask = visible[:, :, None, None, :] & in_split[:, None, :, None, :]  # [B, K, J, 1, S]
 
@@ -181,28 +139,12 @@ def paged_decode_partials(
     return o, lse
 
 
-def paged_decode(
-    q: Float[Array, "B N H"],
-    k_pages: Array,
-    v_pages: Array,
-    block_tables: Int[Array, "B K M"],
-    lengths: Int[Array, " B"],
-    *,
-    scale: float | None = None,
-    window: int | Int[Array, "*B K"] | None = None,
-    sinks: int | Int[Array, "*B K"] | None = None,
-    k_scales: Float[Array, "K num_pages C"] | None = None,
-    v_scales: Float[Array, "K num_pages C"] | None = None,
-    num_splits: int = 1,
-) -> tuple[Float[Array, "B N Hv"], Float[Array, "B N"]]:
-    """Paged decode attention: `paged_decode_partials` merged by log-sum-exp.
-
-    Returns:
-      `(out [B, N, Hv] in q.dtype, lse [B, N] float32)`; rows with no visible key (length 0) give
-      exactly 0 and -inf.
-    """
+def paged_decode(q, k_pages, v_pages, block_tables, kv_lengths, *, scale=None, window=None,
+                 sinks=0, k_scales=None, v_scales=None, num_splits=1):
+    """Specification of `attn.paged_decode.paged_decode`: `paged_decode_partials` merged by
+    log-sum-exp."""
     o, lse = paged_decode_partials(
-        q, k_pages, v_pages, block_tables, lengths, num_splits=num_splits, scale=scale,
+        q, k_pages, v_pages, block_tables, kv_lengths, num_splits=num_splits, scale=scale,
         window=window, sinks=sinks, k_scales=k_scales, v_scales=v_scales)
     if num_splits == 1:
         out, lse = o[:, :, 0], lse[:, :, 0]

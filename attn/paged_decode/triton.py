@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from attn._harness import triton_call
+from attn._op import device_facts
 
 LOG2E = math.log2(math.e)
 
@@ -65,7 +66,7 @@ def default_config(batch: int, num_kv_heads: int, max_len: int, *, fp8: bool = F
     4 programs per SM are in flight.
     """
     programs = batch * num_kv_heads
-    splits = max(1, min(32, -(-4 * 132 // programs), max(1, max_len // 1024)))
+    splits = max(1, min(32, -(-4 * device_facts().num_sms // programs), max(1, max_len // 1024)))
     if fp8:
         return Config(block_n=64, num_warps=2, num_splits=splits)
     return Config(block_n=128, num_warps=4, num_splits=splits)

@@ -35,7 +35,7 @@ def xattn_estimate(
     *,
     block_size: int = 128,
     stride: int = 16,
-    threshold: float = 0.9,
+    threshold: float = reference.DEFAULT_THRESHOLD,
     norm: float = 1.0,
     chunk_size: int | None = None,
     q_lengths: Int[Array, " B"] | None = None,
@@ -122,7 +122,7 @@ def find_blocks(
     block_sums: Float[Array, "B N Tb Sb"],
     diagonal: Int[Array, "B Tb"] | None = None,
     *,
-    threshold: float = 0.9,
+    threshold: float = reference.DEFAULT_THRESHOLD,
 ) -> Bool[Array, "B N Tb Sb"]:
     """Threshold block selection of XAttention (`find_blocks_chunked`, prefill, causal).
 

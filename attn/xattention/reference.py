@@ -37,6 +37,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from attn.block_sparse.reference import _cdiv, _lengths, diagonal_blocks
 
+DEFAULT_THRESHOLD = 0.9  # tau, the paper's (and FlashDecoding's) block-selection mass
+
 
 def default_chunk_size(kv_len: int) -> int:
     """The original's chunk: `max(min(max(2048, P), 128·1024·2048 // P), 2048)`, P = next_pow2."""
@@ -100,35 +102,11 @@ def find_blocks(
     return (forced | keep) & (j <= d)
 
 
-def xattn_estimate(
-    q: Float[Array, "B T N H"],
-    k: Float[Array, "B S K H"],
-    *,
-    block_size: int = 128,
-    stride: int = 16,
-    threshold: float = 0.9,
-    norm: float = 1.0,
-    chunk_size: int | None = None,
-    q_lengths: Int[Array, " B"] | None = None,
-    kv_lengths: Int[Array, " B"] | None = None,
-) -> tuple[Float[Array, "B N Tb Sb"], Bool[Array, "B N Tb Sb"]]:
-    """XAttention block masses and threshold mask for block-sparse prefill.
-
-    Args:
-      q: `[B, T, N, H]` queries after RoPE (the last `q_len` positions of the keys).
-      k: `[B, S, K, H]` keys after RoPE; head n reads KV head `n // (N // K)`.
-      block_size: tile size; a multiple of `stride`.
-      stride: antidiagonal stride `st`.
-      threshold: τ, the fraction of each row's mass to keep.
-      norm: extra softmax temperature divisor.
-      chunk_size: query tokens per step (memory only), a multiple of `block_size`; default the
-        original's rule from S.
-      q_lengths, kv_lengths: `[B]` int32 valid lengths; default T and S.
-
-    Returns:
-      `(block_sums [B, N, Tb, Sb] float32, block_mask [B, N, Tb, Sb] bool)` with
-      `Tb = ceil(T / block_size)`, `Sb = ceil(S / block_size)`.
-    """
+def xattn_estimate(q, k, *, block_size=128, stride=16, threshold=DEFAULT_THRESHOLD, norm=1.0,
+                   chunk_size=None, q_lengths=None, kv_lengths=None):
+    """Specification of `attn.xattention.xattn_estimate`: antidiagonal block masses per query
+    chunk (`chunk_size` query tokens per step, memory only; default `default_chunk_size(S)`) and
+    the threshold selection of `find_blocks`. Padding is zeroed, as the original pads."""
     B, T, N, H = q.shape
     S = k.shape[1]
     q_len, kv_len = _lengths(q_lengths, T, B), _lengths(kv_lengths, S, B)

@@ -18,7 +18,8 @@ Suites (`registry.SUITES`; each writes `<out>/<suite>.json` and `.md`, `<suite>_
 - `decode`: `paged_decode`, `mla_decode`, `gdn_decode`, `causal_conv1d_update`, `kv_write`,
   `engine_decode` (the engine's pools take ~60 GB at B64 / S8K).
 - `prefill`: `flash_prefill`, `window_prefill`, `block_sparse_prefill`, `xattn_estimate`,
-  `gdn_chunk_prefill`, `causal_conv1d`, `paged_prefill`, `flash_prefill_fwd_bwd`.
+  `gdn_chunk_prefill`, `causal_conv1d`, `paged_prefill`, `flash_prefill_fwd_bwd`,
+  `softcap_prefill`.
 - `sparse_prefill`, `gdn`, `mla`, `kv_write`, `engine`: subsets of the two above, by op family.
 
 A row group is one op (`registry.register`): its arguments are a frozen dataclass (`--list`

@@ -15,6 +15,10 @@ forward + backward (`flash_prefill_fwd_bwd`). Shapes B1, N32 / K8, H128, bf16.
 - `flash_prefill_fwd_bwd`: forward + backward at `seqs` (causal) and with `window` at the first,
   through `attention(implementation="auto")`, against cuDNN's; FLOPs 3.5x the forward's (FA's
   count); information only.
+- `softcap_prefill`: causal with logit soft-capping (`softcap`, Gemma 2's 50) at `seqs`, through
+  `attention(implementation="auto")` (the Triton kernel: Mosaic GPU has no soft-capping); the
+  anchor is the same call without `softcap`, so the row is the cost of the cap. Goal
+  `speedup_vs_anchor >= 0.9`.
 
 cuDNN and tokamax are skipped, with the reason in the row, when there is no GPU or they fail;
 tokamax 0.0.17 needs `xprof.cli` at import (absent from xprof 2.22.1).
@@ -83,6 +87,19 @@ class BackwardArgs:
     QUICK: ClassVar[dict] = dict(QUICK_HEADS, seqs=(96,), window=24)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SoftcapArgs:
+    """Causal self-attention with logit soft-capping, B1, N32 / K8, H128, S8K / 16K."""
+
+    batch: int = 1
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    seqs: tuple[int, ...] = (8192, 16384)
+    softcap: float = 50.0
+    QUICK: ClassVar[dict] = dict(QUICK_HEADS, seqs=(96,))
+
+
 def _ours(**options):
     """Our Triton kernel, jitted; every array is an argument (a closed-over array is baked in)."""
     return jax.jit(lambda q, k, v: dense_triton.attention(q, k, v, **options)[0])
@@ -96,7 +113,8 @@ def _ours_timed(ctx, q, k, v, **options):
     Returns:
       `(ms, out, fields)`: the time and output of the kernel `fields["impl"]` names.
     """
-    mosaic_fn = jax.jit(lambda q, k, v: dense_mosaic.attention(q, k, v, **options)[0])
+    mosaic_fn = jax.jit(lambda q, k, v: attention(q, k, v, implementation="mosaic",
+                                                  **options)[0])
     got = ctx.time_ours(_ours(**options), mosaic_fn, q, k, v)
     triton_config = dataclasses.asdict(dense_triton.default_config(q.shape[-1]))
     fields = {"impl": got["impl"], "triton_ms": round(got["triton_ms"], 4),
@@ -337,3 +355,28 @@ def backward_rows(a: BackwardArgs, ctx: core.Context):
             goal="none (information; PERF.md has no backward row)", meets_goal=None, **extra)
 
 
+
+
+@register("softcap_prefill", SoftcapArgs)
+def softcap_rows(a: SoftcapArgs, ctx: core.Context):
+    """Causal prefill with soft-capped logits against the same call without the cap."""
+    b, n, kh, h = a.batch, a.heads, a.kv_heads, a.head_dim
+    for s in a.seqs:
+        q, k, v = core.qkv(s + 5, b, s, n, kh, h)
+        capped = jax.jit(lambda q, k, v: attention(q, k, v, softcap=a.softcap)[0])
+        plain = jax.jit(lambda q, k, v: attention(q, k, v)[0])
+        out = capped(q, k, v)
+        ms = ctx.time(capped, q, k, v)
+        anchor_ms = ctx.time(plain, q, k, v)
+        ref = attention(q, k, v, softcap=a.softcap, implementation="xla")[0] if s <= 8192 else None
+        extra = {"impl": "triton" if core.on_gpu() else "xla", "softcap": a.softcap}
+        if ref is not None:
+            extra["rel_err_vs_xla"] = round(core.rel_err(out, ref), 5)
+        flops = 4 * causal_pairs(b, s, n) * h
+        yield core.row(
+            kernel="softcap_prefill",
+            case=f"B{b}-S{core.kilo(s)}-N{n}-K{kh}-H{h}-bf16-causal-cap{a.softcap:g}",
+            ms=ms, achieved=flops / ms / 1e9, unit="TFLOP/s", ceiling=ctx.matmul_tflops,
+            anchor="ours without softcap", anchor_ms=anchor_ms, goal="speedup_vs_anchor >= 0.9",
+            meets_goal=anchor_ms / ms >= 0.9, **extra)
+        del q, k, v, out, ref

@@ -40,8 +40,8 @@ import numpy as np
 import attn  # noqa: F401  (sets up Triton before its first import)
 from attn.block_sparse import block_sparse_attention, effective_block_mask
 from attn.block_sparse import triton as sparse_triton
+from attn.dense import attention, paged_prefill_attention, triton_paged
 from attn.dense import mosaic as dense_mosaic
-from attn.dense import paged_prefill_attention, triton_paged
 from attn.dense import triton as dense_triton
 from attn.paged_decode.reference import gather_pages
 from attn.xattention import triton as xattn_triton
@@ -116,7 +116,7 @@ def dense_time(a, ctx, s: int) -> dict:
         q, k, v = core.qkv(s, 1, s, n, kh, h)
         got = ctx.time_ours(
             jax.jit(lambda q, k, v: dense_triton.attention(q, k, v)[0]),
-            jax.jit(lambda q, k, v: dense_mosaic.attention(q, k, v)[0]), q, k, v)
+            jax.jit(lambda q, k, v: attention(q, k, v, implementation="mosaic")[0]), q, k, v)
         return {key: got[key] for key in ("ms", "impl", "triton_ms")}
     return ctx.once(("dense", s, n, kh, h), measure)
 

@@ -185,8 +185,9 @@ def test_public_api_dispatch_gradient_and_auto_fallback(monkeypatch):
     modes0 = jnp.asarray([[0, -1]], jnp.int32)
     with pytest.raises(NotImplementedError, match="at least 16"):
         block_sparse_attention(q, k, v, modes0, None, implementation="triton", **opts8)
-    with pytest.raises(NotImplementedError, match="head dims"):
-        kernel.check_supported(jnp.zeros((1, 1, 1, 512)), v, block_size=16)
+    wide = jnp.zeros((1, 32, 2, 512))
+    assert block_sparse_attention.reasons("triton", wide, wide[:, :, :1], wide[:, :, :1], modes0,
+                                          None, **opts) == ["head dims H=512, Hv=512 over 256"]
     monkeypatch.setattr(attn._harness, "on_gpu", lambda: True)
     out, _ = block_sparse_attention(q, k, v, modes0, None, implementation="auto", **opts8)
     monkeypatch.undo()

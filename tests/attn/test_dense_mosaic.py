@@ -84,7 +84,7 @@ REFUSED = [
     ({}, dict(q_offset=np.array([0, 128], np.int32)), "q_offset"),
     ({}, dict(window=np.array([64, 128], np.int32)), "window"),
     ({}, dict(kv_lengths=np.array([256, 100], np.int32)), "kv_lengths"),
-    ({}, dict(scale=-1.0), "scale"),
+    ({}, dict(softcap=30.0), "soft-capping"),
 ]
 
 
@@ -94,7 +94,8 @@ def test_refusals_name_the_value(shape, options, match):
     dtype = dims.pop("dtype", jnp.bfloat16)
     q, k, v = _qkv(rng(0), dtype=dtype, **dims)
     with pytest.raises(NotImplementedError, match=match):
-        mosaic.attention(q, k, v, causal=True, **options)
+        attention(q, k, v, causal=True, implementation="mosaic",
+                  config=mosaic.Config(interpret=True), **options)
 
 
 def test_config_validation():
@@ -107,13 +108,10 @@ def test_config_validation():
 
 
 def test_window_sinks_become_static():
-    q, k, v = _qkv(rng(0), 1, 256, 256, 2, 2, 64)
-    args = dict(causal=True, scale=0.125, q_offset=0, kv_lengths=None, q_segment_ids=None,
-                kv_segment_ids=None, config=mosaic.Config())
-    assert mosaic.check_supported(q, k, v, window=np.array([64, 64]), sinks=np.array([8, 8]),
-                                  **args) == (64, 8)
-    assert mosaic.check_supported(q, k, v, window=0, sinks=8, **args) == (0, 0)
-    assert mosaic.check_supported(q, k, v, window=None, sinks=0, **args) == (0, 0)
+    assert mosaic.static_window_sinks(True, np.array([64, 64]), np.array([8, 8]), 2) == (64, 8)
+    assert mosaic.static_window_sinks(True, 0, 8, 2) == (0, 0)
+    assert mosaic.static_window_sinks(True, None, 0, 2) == (0, 0)
+    assert mosaic.static_window_sinks(False, 64, 8, 2) == (0, 0)
 
 
 # CPU: the kernel in Pallas's Mosaic GPU interpreter (TMA copies, barriers, the ping-pong and

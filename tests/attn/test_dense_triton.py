@@ -152,10 +152,11 @@ def test_gradients_match_reference(name):
 
 def test_unsupported_and_config_validation():
     q, k, v = _qkv(rng(), b=1, t=2, s=2, kh=1, g=1, h=16, hv=16)
-    with pytest.raises(NotImplementedError, match="positive scale"):
-        kernel.attention(q, k, v, scale=-0.5)
+    assert attention.reasons("triton", q, k, v) == []
+    wide = jnp.zeros((1, 2, 1, 512))
+    assert attention.reasons("triton", wide, wide, wide) == ["head dims H=512, Hv=512 over 256"]
     with pytest.raises(NotImplementedError, match="head dims"):
-        kernel.attention(jnp.zeros((1, 2, 1, 512)), jnp.zeros((1, 2, 1, 512)), v)
+        attention(wide, wide, wide, implementation="triton")
     with pytest.raises(ValueError, match="block_m"):
         kernel.Config(block_m=96)
     with pytest.raises(ValueError, match="block_n"):
@@ -180,7 +181,7 @@ _AOT = textwrap.dedent("""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     num_m = triton.cdiv(8192 * 4, cfg.block_m)
     num_m_bwd = triton.cdiv(8192 * 4, cfg.bwd_block_m)
-    fwd = dict(SCALE_LOG2=0.13, NUM_M=num_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+    fwd = dict(SCALE_LOG2=0.13, NUM_M=num_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAP=0.0)
     bwd = dict(SCALE=0.09, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n)
     for kernel, consts, warps, stages in (
             (kt._flash_fwd_kernel, fwd, cfg.num_warps, cfg.num_stages),

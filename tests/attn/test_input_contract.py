@@ -3,6 +3,8 @@ every backend; traced values keep their documented meaning; `attn.debug_checks()
 violations into run-time errors.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,15 +141,17 @@ def test_scale_rule_is_one_on_every_backend(op, scale, impl):
 def test_gdn_gates_out_of_range_are_refused(fn):
     gen = rng()
     call = getattr(gdn, fn)
+    if fn == "gdn_chunked":
+        call = functools.partial(call, implementation="xla")
     q, k, v, g, beta = _gdn(gen, g=0.5)
     with pytest.raises(ValueError, match=r"g=.*0\.5.* must be <= 0\.0"):
-        call(q, k, v, g, beta, implementation="xla")
+        call(q, k, v, g, beta)
     for bad in (1.5, -0.25):
         q, k, v, g, beta = _gdn(gen, beta=bad)
         with pytest.raises(ValueError, match=rf"beta=.*{bad}.* must lie in \[0\.0, 1\.0\]"):
-            call(q, k, v, g, beta, implementation="xla")
+            call(q, k, v, g, beta)
     q, k, v, g, beta = _gdn(gen, g=0.0, beta=1.0)  # the bounds themselves are valid
-    call(q, k, v, g, beta, implementation="xla")
+    call(q, k, v, g, beta)
 
 
 def test_traced_values_are_not_checked_eagerly():
@@ -206,5 +210,5 @@ def test_checked_mode_other_ops():
         jnp.asarray([3, 12], jnp.int32), match=r"kv_lengths=\[3, 12\] must lie in \[0, 8\]")
     gq, gk, gv, g, beta = _gdn(gen)
     _fails_in_checked_mode(
-        lambda g: gdn.gdn_recurrent(gq, gk, gv, g, beta, implementation="xla"),
+        lambda g: gdn.gdn_recurrent(gq, gk, gv, g, beta),
         g + 1.0, match=r"g=.* must be <= 0\.0")

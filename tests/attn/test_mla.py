@@ -330,8 +330,7 @@ def _bad_attention():
         ("kv_lengths-B", dict(kv_lengths=np.zeros(3, i32)), ValueError,
          r"kv_lengths.shape\[0\]=3"),
         ("kv_lengths-dtype", dict(kv_lengths=np.zeros(2)), TypeError, "kv_lengths.dtype"),
-        ("impl-unknown", dict(implementation="cuda"), ValueError, "implementation="),
-        ("impl-mosaic", dict(implementation="mosaic"), NotImplementedError, "implementation="),
+        ("xla-only", dict(implementation="xla"), TypeError, "implementation"),
     ]
     return good, cases
 
@@ -353,8 +352,8 @@ def _bad_decode():
     pages = _randn(gen, (5, p, l + r))
     table, lengths = np.ones((b, 2), np.int32), np.array([3, 5], np.int32)
     q8, scales = _quantize(pages, 2)
-    good = dict(q_lat=q_lat, q_pe=q_pe, latent_pages=pages, block_tables=table, lengths=lengths,
-                kv_lora_rank=l, scale=0.5)
+    good = dict(q_lat=q_lat, q_pe=q_pe, latent_pages=pages, block_tables=table,
+                kv_lengths=lengths, kv_lora_rank=l, scale=0.5)
     fp8 = dict(latent_pages=q8, latent_scales=scales)
     cases = [  # (id, changes, error, match)
         ("rank-float", dict(kv_lora_rank=16.0), TypeError, "kv_lora_rank=16.0"),
@@ -372,8 +371,9 @@ def _bad_decode():
         ("no-rope", dict(latent_pages=pages[..., :l]), ValueError, r"last dim L \+ R"),
         ("q_pe-R", dict(q_pe=q_pe[..., :4]), ValueError, "q_pe.shape"),
         ("table-B", dict(block_tables=table[:1]), ValueError, r"block_tables.shape\[0\]=1"),
-        ("lengths-B", dict(lengths=lengths[:1]), ValueError, r"lengths.shape\[0\]=1"),
-        ("lengths-float", dict(lengths=lengths.astype(F32)), TypeError, "lengths.dtype"),
+        ("kv_lengths-B", dict(kv_lengths=lengths[:1]), ValueError, r"kv_lengths.shape\[0\]=1"),
+        ("kv_lengths-float", dict(kv_lengths=lengths.astype(F32)), TypeError,
+         "kv_lengths.dtype"),
         ("pages-int", dict(latent_pages=pages.astype(np.int32)), TypeError,
          "latent_pages.dtype=int32"),
         ("fp8-no-scales", dict(latent_pages=q8), TypeError, "needs latent_scales"),
@@ -398,8 +398,26 @@ def _bad_decode():
 def test_decode_bad_input(fn, case):
     good, _ = _bad_decode()
     _, changes, error, match = case
+    if fn is mla_paged_decode_partials and "implementation" in changes:  # XLA only
+        error, match = TypeError, "implementation"
     with pytest.raises(error, match=match):
         fn(**{**good, **changes})
+
+
+def test_scale_defaults_to_the_query_head_dim():
+    """`scale=None` is `(Dn + R) ** -0.5` for attention and `(L + R) ** -0.5` for latent decode,
+    the query head dim of each op, as in every op."""
+    good, _ = _bad_attention()
+    dn, r = good["q_nope"].shape[-1], good["q_pe"].shape[-1]
+    for fn in (mla_naive_attention, mla_absorbed_attention):
+        got = fn(**good)[0]
+        assert_close(got, fn(**good, scale=(dn + r) ** -0.5)[0])
+        assert float(jnp.max(jnp.abs(got - fn(**good, scale=1.0)[0]))) > 1e-4
+    good, _ = _bad_decode()
+    lr = good["latent_pages"].shape[-1]
+    kw = {k: v for k, v in good.items() if k != "scale"}
+    assert_close(mla_paged_decode(**kw, implementation="xla")[0],
+                 mla_paged_decode(**kw, scale=lr**-0.5, implementation="xla")[0])
 
 
 def test_projection_bad_input():

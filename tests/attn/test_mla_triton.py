@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attn._op import device_facts
 from attn.mla import api
 from attn.mla import triton as kernel
 from kv import fp8
@@ -157,7 +158,7 @@ def test_config_validation():
 def test_default_config_fills_whole_waves():
     cfg = kernel.default_config(64, 16, 32768)
     assert (cfg.block_heads, cfg.num_splits, cfg.reload_value) == (16, 8, False)
-    slots = 2 * kernel.NUM_SMS  # 64 rows x 8 splits = 512 programs: 1.94 waves of 264
+    slots = 2 * device_facts().num_sms  # 64 rows x 8 splits = 512 programs: 1.94 waves of 264
     assert 64 * cfg.num_splits / (-(-64 * cfg.num_splits // slots) * slots) >= 0.95
     assert kernel.default_config(64, 16, 32768, fp8=True).reload_value
     wide = kernel.default_config(64, 128, 32768, fp8=True)

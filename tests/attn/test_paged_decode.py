@@ -331,7 +331,7 @@ def _inputs(**over):
         k_pages=np.zeros((4, 5, 16, 16), np.float32),
         v_pages=np.zeros((4, 5, 16, 8), np.float32),
         block_tables=np.zeros((2, 4, 3), np.int32),
-        lengths=np.zeros((2,), np.int32),
+        kv_lengths=np.zeros((2,), np.int32),
     )
     base.update(over)
     return base
@@ -340,7 +340,7 @@ def _inputs(**over):
 def _call(fn=paged_decode, **over):
     kw = _inputs(**{k: v for k, v in over.items() if k in _inputs()})
     rest = {k: v for k, v in over.items() if k not in kw}
-    return fn(kw["q"], kw["k_pages"], kw["v_pages"], kw["block_tables"], kw["lengths"], **rest)
+    return fn(kw["q"], kw["k_pages"], kw["v_pages"], kw["block_tables"], kw["kv_lengths"], **rest)
 
 
 FP8_PAGES = np.zeros((4, 5, 16, 16), ml_dtypes.float8_e4m3fn)
@@ -366,9 +366,9 @@ SCALES = np.ones((4, 5, 4), np.float32)
         (dict(block_tables=np.zeros((2, 4), np.int32)), ValueError, "block_tables must have"),
         (dict(block_tables=np.zeros((2, 2, 3), np.int32)), ValueError, "block_tables.shape"),
         (dict(block_tables=np.zeros((3, 4, 3), np.int32)), ValueError, "block_tables.shape"),
-        (dict(lengths=np.zeros((2,), np.float32)), TypeError, "lengths.dtype"),
-        (dict(lengths=np.zeros((3,), np.int32)), ValueError, "lengths.shape"),
-        (dict(lengths=np.zeros((2, 1), np.int32)), ValueError, "lengths must have shape"),
+        (dict(kv_lengths=np.zeros((2,), np.float32)), TypeError, "kv_lengths.dtype"),
+        (dict(kv_lengths=np.zeros((3,), np.int32)), ValueError, "kv_lengths.shape"),
+        (dict(kv_lengths=np.zeros((2, 1), np.int32)), ValueError, "kv_lengths must have shape"),
         (dict(k_pages=FP8_PAGES), ValueError, "needs k_scales"),
         (dict(k_scales=SCALES), ValueError, "k_scales given but k_pages"),
         (dict(v_pages=FP8_PAGES[..., :8], v_scales=SCALES.astype(np.float16)), TypeError,

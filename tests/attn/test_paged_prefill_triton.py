@@ -382,11 +382,9 @@ def test_validation_errors():
         call(q, kp, vp, tables, off, lens, scale="big")
     with pytest.raises(ValueError, match="implementation"):
         call(q, kp, vp, tables, off, lens, implementation="cuda")
-    with pytest.raises(NotImplementedError, match="positive scale"):
-        kernel.paged_prefill_attention(q, kp, vp, tables, off, lens, scale=-1.0)
+    assert call.reasons("triton", q, kp, vp, tables, off, lens) == []
     with pytest.raises(NotImplementedError, match="q's dtype"):
-        kernel.paged_prefill_attention(q.astype(jnp.bfloat16), kp, vp, tables, off, lens,
-                                       scale=1.0)
+        call(q.astype(jnp.bfloat16), kp, vp, tables, off, lens, implementation="triton")
     with pytest.raises(ValueError, match="block_m"):
         kernel.Config(block_m=48)
     with pytest.raises(ValueError, match="num_warps"):
