@@ -194,7 +194,10 @@ class Op:
         if implementation == "auto" and config is not None:
             implementation = next(
                 (b.name for b in self.backends.values() if b.config_type is not None
-                 and isinstance(config, _resolve(b.config_type))), "auto")
+                 and isinstance(config, _resolve(b.config_type))), None)
+            if implementation is None:
+                raise TypeError(f"{self.name}: config of type {type(config).__name__} "
+                                f"configures none of its backends {tuple(self.backends)}")
         if implementation == "auto":
             platform = "gpu" if _harness.on_gpu() else jax.default_backend()
             for backend in self.backends.values():
