@@ -5,7 +5,9 @@
 
 Per policy and streaming fraction: passkey and multi-key accuracy at every length with n and the
 95% Wilson interval, the ratio to dense at the longest length, KV bytes per request at the longest
-length and its fraction of dense, and the gate training run's time and throughput.
+length and its fraction of dense, and the gate training run's time and throughput. Beside the
+table: `<out>_pareto.png` (accuracy vs KV while decoding) and `<out>_maps.png` (gates and scores
+per layer and KV head); the JSON keeps the gates and scores themselves.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import argparse
 import json
 import os
 
-from experiments.longctx_eval import wilson
+from experiments.longctx_eval import _pareto, wilson
 
 
 def parse_args(argv=None):
@@ -117,7 +119,8 @@ def report(heads: dict, results: dict) -> tuple[str, dict]:
     lines.append("")
     data = dict(model=results["model"], device=results["device"], commit=results.get("commit"),
                 eval_args=results["args"], training=meta, policies=table,
-                timing=results["timing"])
+                timing=results["timing"],
+                selection={k: heads[k] for k in ("gates", "scores") if k in heads})
     return "\n".join(lines), data
 
 
@@ -132,6 +135,33 @@ def merged(results: list[dict]) -> dict:
     return out
 
 
+def plot_maps(heads: dict, path: str) -> None:
+    """Head maps (layer x KV head): trained gates and the two training-free scores."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    maps = [("trained gate (1 = full)", heads.get("gates"))]
+    scores = heads.get("scores") or {}
+    maps += [("needle mass", scores.get("retrieval")),
+             ("streaming error", scores.get("streaming_error"))]
+    maps = [(t, np.asarray(m)) for t, m in maps if m is not None]
+    if not maps:
+        return
+    fig, axes = plt.subplots(1, len(maps), figsize=(3.2 * len(maps), 6), sharey=True,
+                             squeeze=False)
+    for ax, (title, m) in zip(axes[0], maps):
+        im = ax.imshow(m, aspect="auto", cmap="viridis")
+        ax.set(title=title, xlabel="KV head", xticks=range(m.shape[1]))
+        fig.colorbar(im, ax=ax, shrink=0.6)
+    axes[0][0].set_ylabel("layer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv=None):
     args = parse_args(argv)
     with open(args.heads) as f:
@@ -143,6 +173,10 @@ def main(argv=None):
     results = merged(runs)
     md, data = report(heads, results)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    plot_maps(heads, args.out + "_maps.png")
+    _pareto(results["rows"], list(results["timing"]),
+            argparse.Namespace(lengths=sorted({r["length"] for r in results["rows"]}),
+                               tasks=results["args"]["tasks"]), args.out + "_pareto.png")
     with open(args.out + ".md", "w") as f:
         f.write(md)
     with open(args.out + ".json", "w") as f:
