@@ -239,6 +239,8 @@ class Op:
         return config
 
     def __call__(self, *args, implementation: str = "auto", config: Any = None, **kwargs):
+        if implementation not in IMPLEMENTATIONS:  # before the arguments: the call itself is wrong
+            raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
         bound = self.validate(*args, **kwargs)
         backend, config = self.select(implementation, bound, config)
         run = _resolve(backend.run)

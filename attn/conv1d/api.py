@@ -11,11 +11,56 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from attn import _checks
-from attn._harness import resolve_implementation
+from attn._op import Backend, op
 from attn.conv1d import reference
 
-_UPDATE_POOL_SUPPORTED = ("triton", "xla")
-_PREFILL_SUPPORTED = ("triton", "xla")
+
+def _prefill_triton(*, x, weight, bias, **args):
+    from attn.conv1d import triton_prefill as kernel
+
+    return kernel.causal_conv1d(x, weight, bias, **args)
+
+
+def _prefill_xla(*, x, weight, bias, **args):
+    return reference.causal_conv1d(x, weight, bias, **args)
+
+
+def _update_pool_triton(*, x, conv_pool, slot_ids, weight, bias, activation, has_initial_state):
+    from attn.conv1d import triton as kernel
+
+    return kernel.causal_conv1d_update_pool(x, conv_pool, slot_ids, weight, bias, activation,
+                                            has_initial_state=has_initial_state)
+
+
+def _update_pool_xla(*, x, conv_pool, slot_ids, weight, bias, activation, has_initial_state):
+    return reference.causal_conv1d_update_pool(x, conv_pool, slot_ids, weight, bias, activation,
+                                               has_initial_state=has_initial_state)
+
+
+def _prefill_pool(conv):
+    def run(*, x, conv_pool, slot_ids, weight, bias, **args):
+        return reference.causal_conv1d_prefill_pool(x, conv_pool, slot_ids, weight, bias,
+                                                    conv=conv(), **args)
+    return run
+
+
+def _triton_conv():
+    from attn.conv1d import triton_prefill as kernel
+
+    return kernel.causal_conv1d
+
+
+# The Triton kernels differentiate themselves (prefill: the reference's VJP, `attn._grad`);
+# the update kernels are forward only.
+_PREFILL_BACKENDS = (Backend(name="triton", run=_prefill_triton),
+                     Backend(name="xla", run=_prefill_xla, platforms=("cpu", "gpu")))
+_UPDATE_POOL_BACKENDS = (Backend(name="triton", run=_update_pool_triton),
+                         Backend(name="xla", run=_update_pool_xla, platforms=("cpu", "gpu")))
+_PREFILL_POOL_BACKENDS = (
+    Backend(name="triton", run=_prefill_pool(_triton_conv)),
+    Backend(name="xla", run=_prefill_pool(lambda: reference.causal_conv1d),
+            platforms=("cpu", "gpu")),
+)
 
 
 def check_cu_seqlens(cu_seqlens, batch: int, tokens: int) -> int:
@@ -101,6 +146,7 @@ def _check_x(x, rank: int, letters: str) -> None:
         raise ValueError(f"x must hold at least one token; got shape {x.shape}")
 
 
+@op(name="causal_conv1d", backends=_PREFILL_BACKENDS)
 def causal_conv1d(
     x: Float[Array, "B T C"],
     weight: Float[Array, "C W"],
@@ -109,7 +155,6 @@ def causal_conv1d(
     initial_state: Float[Array, "Ns C Wm1"] | None = None,
     activation: str | None = None,
     cu_seqlens: Int[Array, " Ns+1"] | None = None,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B T C"], Float[Array, "Ns C Wm1"]]:
     """Causal depthwise conv1d over a prefill, with state in and out.
 
@@ -140,13 +185,8 @@ def causal_conv1d(
         rows = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
     if initial_state is not None:
         _check_state("initial_state", initial_state, rows, x.shape[2], width)
-    if resolve_implementation(implementation, supported=_PREFILL_SUPPORTED) == "triton":
-        from attn.conv1d import triton_prefill as kernel
-
-        return kernel.causal_conv1d(x, weight, bias, initial_state=initial_state,
-                                    activation=activation, cu_seqlens=cu_seqlens)
-    return reference.causal_conv1d(x, weight, bias, initial_state=initial_state,
-                                   activation=activation, cu_seqlens=cu_seqlens)
+    return dict(x=x, weight=weight, bias=bias, initial_state=initial_state, activation=activation,
+                cu_seqlens=cu_seqlens)
 
 
 def causal_conv1d_update(
@@ -179,6 +219,7 @@ def causal_conv1d_update(
     return reference.causal_conv1d_update(x, conv_state, weight, bias, activation)
 
 
+@op(name="causal_conv1d_update_pool", backends=_UPDATE_POOL_BACKENDS)
 def causal_conv1d_update_pool(
     x: Float[Array, "B C"],
     conv_pool: Float[Array, "slots C Wm1"],
@@ -188,7 +229,6 @@ def causal_conv1d_update_pool(
     activation: str | None = None,
     *,
     has_initial_state: Bool[Array, " B"] | None = None,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B C"], Float[Array, "slots C Wm1"]]:
     """Decode step on a conv slot pool: gather `pool[slot_ids]`, step, scatter back.
 
@@ -215,15 +255,11 @@ def causal_conv1d_update_pool(
     width = _check_weight(weight, bias, x.shape[1], activation)
     _check_state("conv_pool", conv_pool, conv_pool.shape[0], x.shape[1], width)
     check_slot_ids(slot_ids, x.shape[0], conv_pool.shape[0], has_initial_state)
-    if resolve_implementation(implementation, supported=_UPDATE_POOL_SUPPORTED) == "triton":
-        from attn.conv1d import triton as kernel
-
-        return kernel.causal_conv1d_update_pool(x, conv_pool, slot_ids, weight, bias, activation,
-                                                has_initial_state=has_initial_state)
-    return reference.causal_conv1d_update_pool(x, conv_pool, slot_ids, weight, bias, activation,
-                                               has_initial_state=has_initial_state)
+    return dict(x=x, conv_pool=conv_pool, slot_ids=slot_ids, weight=weight, bias=bias,
+                activation=activation, has_initial_state=has_initial_state)
 
 
+@op(name="causal_conv1d_prefill_pool", backends=_PREFILL_POOL_BACKENDS)
 def causal_conv1d_prefill_pool(
     x: Float[Array, "B T C"],
     conv_pool: Float[Array, "slots C Wm1"],
@@ -234,7 +270,6 @@ def causal_conv1d_prefill_pool(
     activation: str | None = None,
     has_initial_state: Bool[Array, " Ns"] | None = None,
     cu_seqlens: Int[Array, " Ns+1"] | None = None,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B T C"], Float[Array, "slots C Wm1"]]:
     """Prefill on a conv slot pool: states from `pool[slot_ids]`, final states written back.
 
@@ -262,11 +297,5 @@ def causal_conv1d_prefill_pool(
         rows = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
     _check_state("conv_pool", conv_pool, conv_pool.shape[0], x.shape[2], width)
     check_slot_ids(slot_ids, rows, conv_pool.shape[0], has_initial_state)
-    conv = reference.causal_conv1d
-    if resolve_implementation(implementation, supported=_PREFILL_SUPPORTED) == "triton":
-        from attn.conv1d import triton_prefill as kernel
-
-        conv = kernel.causal_conv1d
-    return reference.causal_conv1d_prefill_pool(
-        x, conv_pool, slot_ids, weight, bias, activation=activation,
-        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, conv=conv)
+    return dict(x=x, conv_pool=conv_pool, slot_ids=slot_ids, weight=weight, bias=bias,
+                activation=activation, has_initial_state=has_initial_state, cu_seqlens=cu_seqlens)

@@ -9,12 +9,10 @@ defaults on a GPU; the other ops are XLA only and take no `implementation=`.
 from jaxtyping import Array, Bool, Float, Int
 
 from attn import _checks
-from attn._harness import resolve_implementation
+from attn._op import Backend, op
 from attn.conv1d.api import check_cu_seqlens, check_slot_ids
 from attn.gdn import reference
 
-_DECODE_POOL_SUPPORTED = ("triton", "xla")
-_CHUNKED_SUPPORTED = ("triton", "xla")
 _TRITON_CHUNK = 64  # attn.gdn.triton_chunk.CHUNK, without importing triton here
 
 
@@ -70,23 +68,58 @@ def _check_chunk(chunk_size: int) -> None:
     _checks.check_positive("chunk_size", chunk_size)
 
 
-def _chunked_backend(implementation: str, chunk_size: int):
-    """`gdn_chunked`-compatible function for `implementation`: the Triton pipeline (chunk 64
-    only; `"auto"` falls back to XLA for other sizes) or the reference."""
-    impl = resolve_implementation(implementation, supported=_CHUNKED_SUPPORTED)
-    if impl == "triton" and chunk_size != _TRITON_CHUNK:
-        if implementation == "triton":
-            raise NotImplementedError(f"the Triton chunked kernel has chunk_size="
-                                      f"{_TRITON_CHUNK} only; got {chunk_size=}")
-        impl = "xla"
-    if impl == "xla":
-        return reference.gdn_chunked
+def _chunk_reasons(args, config=None) -> list[str]:
+    del config
+    if args["chunk_size"] != _TRITON_CHUNK:
+        return [f"chunk_size={args['chunk_size']}: the Triton chunked kernels take "
+                f"{_TRITON_CHUNK} only"]
+    return []
+
+
+def _triton_chunked(q, k, v, g, beta, *, chunk_size, **kw):
     from attn.gdn import triton_chunk
 
-    def run(q, k, v, g, beta, *, chunk_size, **kw):
-        del chunk_size  # checked above
-        return triton_chunk.gdn_chunked(q, k, v, g, beta, **kw)
+    del chunk_size  # 64 (`_chunk_reasons`)
+    return triton_chunk.gdn_chunked(q, k, v, g, beta, **kw)
+
+
+def _chunked(chunked):
+    def run(*, q, k, v, g, beta, **args):
+        return chunked(q, k, v, g, beta, **args)
     return run
+
+
+def _prefill_pool(chunked):
+    def run(*, q, k, v, g, beta, ssm_pool, slot_ids, **args):
+        return reference.gdn_prefill_pool(q, k, v, g, beta, ssm_pool, slot_ids, chunked=chunked,
+                                          **args)
+    return run
+
+
+def _decode_pool_triton(*, q, k, v, g, beta, ssm_pool, slot_ids, **args):
+    from attn.gdn import triton as kernel
+
+    return kernel.gdn_decode_pool(q, k, v, g, beta, ssm_pool, slot_ids, **args)
+
+
+def _decode_pool_xla(*, q, k, v, g, beta, ssm_pool, slot_ids, **args):
+    return reference.gdn_decode_pool(q, k, v, g, beta, ssm_pool, slot_ids, **args)
+
+
+# The chunked Triton pipeline differentiates itself (the reference's VJP, `attn._grad`); the
+# decode kernel is forward only.
+_CHUNKED_BACKENDS = (
+    Backend(name="triton", run=_chunked(_triton_chunked), supports=_chunk_reasons),
+    Backend(name="xla", run=_chunked(reference.gdn_chunked), platforms=("cpu", "gpu")),
+)
+_PREFILL_POOL_BACKENDS = (
+    Backend(name="triton", run=_prefill_pool(_triton_chunked), supports=_chunk_reasons),
+    Backend(name="xla", run=_prefill_pool(reference.gdn_chunked), platforms=("cpu", "gpu")),
+)
+_DECODE_POOL_BACKENDS = (
+    Backend(name="triton", run=_decode_pool_triton),
+    Backend(name="xla", run=_decode_pool_xla, platforms=("cpu", "gpu")),
+)
 
 
 def gdn_gating(
@@ -169,6 +202,7 @@ def gdn_recurrent(
                                    use_qk_l2norm=use_qk_l2norm)
 
 
+@op(name="gdn_chunked", backends=_CHUNKED_BACKENDS)
 def gdn_chunked(
     q: Float[Array, "B T Nk H"], k: Float[Array, "B T Nk H"], v: Float[Array, "B T Nv Hv"],
     g: Float[Array, "B T Nv"], beta: Float[Array, "B T Nv"],
@@ -178,7 +212,6 @@ def gdn_chunked(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     cu_seqlens: Int[Array, " Ns+1"] | None = None,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B T Nv Hv"], Float[Array, "Ns Nv H Hv"]]:
     """Chunked (WY) gated delta rule for prefill (HF `torch_chunk_gated_delta_rule`, fla `chunk`).
 
@@ -206,10 +239,9 @@ def gdn_chunked(
     rows = bsz if cu_seqlens is None else check_cu_seqlens(cu_seqlens, bsz, t)
     if initial_state is not None:
         _check_state("initial_state", initial_state, rows, nv, h, hv)
-    chunked = _chunked_backend(implementation, chunk_size)
     _check_gates(g, beta)
-    return chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                   use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
 
 
 def gdn_decode_step(
@@ -241,6 +273,7 @@ def gdn_decode_step(
                                      use_qk_l2norm=use_qk_l2norm)
 
 
+@op(name="gdn_decode_pool", backends=_DECODE_POOL_BACKENDS)
 def gdn_decode_pool(
     q: Float[Array, "B 1 Nk H"], k: Float[Array, "B 1 Nk H"], v: Float[Array, "B 1 Nv Hv"],
     g: Float[Array, "B 1 Nv"], beta: Float[Array, "B 1 Nv"],
@@ -249,7 +282,6 @@ def gdn_decode_pool(
     has_initial_state: Bool[Array, " B"] | None = None,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B 1 Nv Hv"], Float[Array, "slots Nv H Hv"]]:
     """Decode step on the recurrent-state slot pool: gather, step, scatter back.
 
@@ -276,19 +308,12 @@ def gdn_decode_pool(
     bsz, _, _, nv, h, hv = _check_inputs(q, k, v, g, beta, scale, single_token=True)
     _check_pool(ssm_pool, nv, h, hv)
     check_slot_ids(slot_ids, bsz, ssm_pool.shape[0], has_initial_state)
-    impl = resolve_implementation(implementation, supported=_DECODE_POOL_SUPPORTED)
     _check_gates(g, beta)
-    if impl == "triton":
-        from attn.gdn import triton as kernel
-
-        return kernel.gdn_decode_pool(q, k, v, g, beta, ssm_pool, slot_ids,
-                                      has_initial_state=has_initial_state, scale=scale,
-                                      use_qk_l2norm=use_qk_l2norm)
-    return reference.gdn_decode_pool(q, k, v, g, beta, ssm_pool, slot_ids,
-                                     has_initial_state=has_initial_state, scale=scale,
-                                     use_qk_l2norm=use_qk_l2norm)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, ssm_pool=ssm_pool, slot_ids=slot_ids,
+                has_initial_state=has_initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm)
 
 
+@op(name="gdn_prefill_pool", backends=_PREFILL_POOL_BACKENDS)
 def gdn_prefill_pool(
     q: Float[Array, "B T Nk H"], k: Float[Array, "B T Nk H"], v: Float[Array, "B T Nv Hv"],
     g: Float[Array, "B T Nv"], beta: Float[Array, "B T Nv"],
@@ -299,7 +324,6 @@ def gdn_prefill_pool(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     cu_seqlens: Int[Array, " Ns+1"] | None = None,
-    implementation: str = "auto",
 ) -> tuple[Float[Array, "B T Nv Hv"], Float[Array, "slots Nv H Hv"]]:
     """Chunked prefill on the slot pool: `h0 = where(has_init, pool[slot], 0)`, final states
     scattered back to the slots.
@@ -325,9 +349,7 @@ def gdn_prefill_pool(
     rows = bsz if cu_seqlens is None else check_cu_seqlens(cu_seqlens, bsz, t)
     _check_pool(ssm_pool, nv, h, hv)
     check_slot_ids(slot_ids, rows, ssm_pool.shape[0], has_initial_state)
-    chunked = _chunked_backend(implementation, chunk_size)
     _check_gates(g, beta)
-    return reference.gdn_prefill_pool(q, k, v, g, beta, ssm_pool, slot_ids,
-                                      has_initial_state=has_initial_state, scale=scale,
-                                      use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
-                                      cu_seqlens=cu_seqlens, chunked=chunked)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, ssm_pool=ssm_pool, slot_ids=slot_ids,
+                has_initial_state=has_initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                chunk_size=chunk_size, cu_seqlens=cu_seqlens)
