@@ -238,7 +238,7 @@ def test_prefill_quick_runs_every_group_on_cpu(tmp_path):
         by.setdefault(r["kernel"], []).append(r)
     assert set(by) == {"flash_prefill", "window_prefill", "block_sparse_prefill",
                        "xattn_estimate", "gdn_chunk_prefill", "causal_conv1d", "paged_prefill",
-                       "flash_prefill_fwd_bwd"}, set(by)
+                       "flash_prefill_fwd_bwd", "softcap_prefill"}, set(by)
     assert all(r["tokamax_ms"] is None and "tokamax_note" in r
                for k in ("flash_prefill", "window_prefill") for r in by[k])
     for r in by["block_sparse_prefill"]:
@@ -252,6 +252,7 @@ def test_prefill_quick_runs_every_group_on_cpu(tmp_path):
     assert by["paged_prefill"][0]["rel_err_vs_anchor"] < 2e-2
     assert by["gdn_chunk_prefill"][0]["rel_err_o_vs_xla"] < 2e-2
     assert by["causal_conv1d"][0]["rel_err_y_vs_xla"] < 2e-2
+    assert by["softcap_prefill"][0]["rel_err_vs_xla"] < 2e-2
 
 
 @pytest.mark.slow
