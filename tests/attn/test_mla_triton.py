@@ -38,9 +38,12 @@ def _problem(gen, *, b, n, l, r, p, max_pages, dtype, lengths):
 
 def _reference(q_lat, q_pe, pages, table, lengths, *, l, scale, scales=None, num_splits=1,
                partials=False):
-    fn = api.mla_paged_decode_partials if partials else api.mla_paged_decode
-    return fn(q_lat, q_pe, pages, table, lengths, kv_lora_rank=l, scale=scale,
-              latent_scales=scales, num_splits=num_splits, implementation="xla")
+    if partials:  # XLA only
+        return api.mla_paged_decode_partials(q_lat, q_pe, pages, table, lengths, kv_lora_rank=l,
+                                             scale=scale, latent_scales=scales,
+                                             num_splits=num_splits)
+    return api.mla_paged_decode(q_lat, q_pe, pages, table, lengths, kv_lora_rank=l, scale=scale,
+                                latent_scales=scales, num_splits=num_splits, implementation="xla")
 
 
 CASES = [  # lengths: full, padding (0), 1, and not multiples of P
