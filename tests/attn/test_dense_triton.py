@@ -173,6 +173,7 @@ _AOT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from attn.dense import _flash_bwd as kb
     from attn.dense import triton as kt
 
     cfg = kt.default_config(128)
@@ -185,9 +186,9 @@ _AOT = textwrap.dedent("""
     bwd = dict(SCALE=0.09, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n)
     for kernel, consts, warps, stages in (
             (kt._flash_fwd_kernel, fwd, cfg.num_warps, cfg.num_stages),
-            (kt._flash_bwd_dq_kernel, bwd | dict(NUM_M=num_m_bwd), cfg.bwd_num_warps,
+            (kb._flash_bwd_dq_kernel, bwd | dict(NUM_M=num_m_bwd), cfg.bwd_num_warps,
              cfg.bwd_num_stages),
-            (kt._flash_bwd_dkdv_kernel, bwd, cfg.bwd_num_warps, cfg.bwd_num_stages)):
+            (kb._flash_bwd_dkdv_kernel, bwd, cfg.bwd_num_warps, cfg.bwd_num_stages)):
         consts = consts | dims
         names = kernel.arg_names
         types = {n: "*i32" for n in names if n.startswith(("offset", "len", "window", "sink"))}
