@@ -8,8 +8,9 @@ aliased input -> output, so a donated pool is updated in place and a call moves 
 sub-blocks.
 
 Grouping: a sub-block may receive several tokens in one call (a prefill chunk). The (token, head)
-entries are sorted by flat sub-block index (`(head * num_pages + page) * C + slot // sub_block`,
-invalid entries last); one program per sorted entry, and only the first entry of each run of
+entries are sorted by flat sub-block index (`(head * num_pages + page) * C + slot // sub_block`;
+entries with an id outside `[0, num_pages)` or an offset outside the page are not written and
+sort last); one program per sorted entry, and only the first entry of each run of
 equal indices (the group's leader) works: it reads up to `sub_block` entries from its position on,
 which are exactly its group (two tokens never share a slot). So every sub-block is written by one
 program and no two programs touch the same bytes.
@@ -110,7 +111,8 @@ def quantize_tokens(pages, scales, x, page_ids, offsets):
         in place).
       scales: `[K, num_pages, P // sub_block]` float32; aliased likewise.
       x: `[T, K, H]` new tokens.
-      page_ids: `[T, K]` int32, negative: not written.
+      page_ids: `[T, K]` int32; an id outside `[0, num_pages)` (-1: unallocated, or past the
+        pool) is not written.
       offsets: `[T]` int32 slot of each token in its page; outside `[0, P)`: not written.
 
     Returns:

@@ -18,7 +18,9 @@ Supports: `T == S`, full lengths (no `q_lengths` / `kv_lengths` shorter than the
 `block_size` 128, `H == Hv` in {64, 128}, bf16 / f16, `T` a multiple of 128. `supports` says
 why not for anything else (the public op then runs the Triton kernel). Forward only; the public op
 takes its gradient from the reference, as for the Triton kernel. On a CPU it runs in Pallas's
-Mosaic GPU interpreter with `Config(interpret=True)` (the tests).
+Mosaic GPU interpreter with `Config(interpret=True)` (the tests). NaN: as the dense Mosaic
+forward, a non-finite value in a masked (diagonal) step still reaches the rows of the step that
+do not see it (issue 20; `attn/dense/mosaic.py` says why); the Triton kernel does not leak.
 """
 
 from __future__ import annotations

@@ -12,33 +12,25 @@ the rest (the diagonal and the length tail) with the token-level causal and leng
 softmax in base 2, fp32 accumulators. The work is thus proportional to the selected blocks: at
 density `d` the kernel does about `d` of the dense kernel's work.
 
-The walk (what changed, and why). Each part is ONE flat loop over the steps `i` of its blocks
-(`block_size // BLOCK_N` steps per listed block, block `blocks[i // steps]`), like the key loop of
-the dense kernel (`attn/dense/triton.py`), so Triton's software pipelining overlaps the K / V
-loads of the next steps with the current step's math across block boundaries. It used to be a
-loop over the listed blocks around a loop over a block's steps: only the inner loop (2 steps at
-the default tiles) was pipelined, so each block issued its first K / V loads in a prologue and
-drained them at its end (the sm_90 TTGIR: `async_wait {num = 0}` in and after the inner loop),
-with the load latency exposed once per block; the likely cause of the measured per-block cost of
-~1.5x the dense kernel's (density 1.0 at 0.65x dense). The block index is loaded one step ahead
-and carried in the loop: loaded in the step that uses it, it makes K / V second-level indirect
-loads, and Triton then splits the `num_stages` budget between the index and K / V (the sm_90
-TTGIR at 3 stages showed K / V prefetched one step ahead, `async_wait {num = 0}`, where the dense
-kernel has two, `num = 2`; carried, both loops here have `num = 2` too). Unmasked steps load
-K / V without masks where the head dims need none, and the default launch is the dense
-forward's (3 stages instead of 2). ptxas (sm_90a, H = 128, 128 x 64 tiles, 8 warps, 3 stages):
-197 registers, no spills, 128 KiB shared memory. `block_lists` builds the lists with one
-scatter (slots from a cumulative sum) instead of a stable argsort of each of the `B N Tb` rows
-(the same lists; at S = 128K that sort is over 32M entries, inside the timed call); on a GPU one
-Triton pass does the same per row (S64K: 0.09 ms against the XLA form's 0.16; NOTES.md session
-8). Timings: NOTES.md, session 4.
+The walk: each part is one flat loop over the steps `i` of its blocks (`block_size // BLOCK_N`
+steps per listed block, block `blocks[i // steps]`), like the key loop of the dense kernel
+(`attn/dense/triton.py`), so Triton's software pipelining overlaps the K / V loads of the next
+steps with the current step's math across block boundaries (a loop over blocks around a loop over
+steps would pipeline only the inner steps and expose the load latency once per block). The block
+index is loaded one step ahead and carried in the loop, so K / V are not second-level indirect
+loads and keep the dense kernel's two-step prefetch. Unmasked steps load K / V without masks where
+the head dims need none; the default launch is the dense forward's. ptxas (sm_90a, H = 128,
+128 x 64 tiles, 8 warps, 3 stages): 197 registers, no spills, 128 KiB shared memory.
+`block_lists` builds the lists with one scatter (slots from a cumulative sum) rather than a
+stable argsort of each of the `B N Tb` rows; on a GPU one Triton pass does the same per row
+(S64K: 0.09 ms against 0.16 for the XLA form).
 
 Programs are per query head (the modes are per query head, so GQA siblings may walk different
 lists), ordered KV head by KV head: the siblings of a KV head vary fastest, then the query tiles
 (longest lists first), then the requests. The programs in flight thus read one KV head's K / V
-(32 MB at S64K, H128 bf16: it stays in L2); ordered heads fastest, as before, they spread over
-all KV heads' K / V, and at 10% random masks the blocks came from DRAM (H100, S64K, density 0.1:
-8.64 -> 7.63 ms; S128K 34.6 -> 30.2 ms; density 1.0 unchanged; NOTES.md session 5). Folding
+(32 MB at S64K, H128 bf16: it stays in L2); ordered heads fastest they would spread over all
+KV heads' K / V and, at 10% random masks, come from DRAM (H100 density 0.1: S64K 7.63 ms against
+8.64, S128K 30.2 against 34.6; density 1.0 the same). Folding
 the `G` heads of a KV head into the query tile (as the dense kernel does) is not done: with
 `BLOCK_M` rows per program either way, a folded program covers `BLOCK_M / G` tokens of `G` heads,
 so the number of programs, the K / V tiles each loads and the FLOPs per loaded byte are the same;
@@ -92,12 +84,11 @@ class Config:
 
 
 def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
-    """128 queries x 128 keys, 8 warps, 3 stages (224 KiB of shared memory at H = 128). H100,
-    N32/K8/H128 bf16 (`experiments.sweep_prefill_kernels sparse`, NOTES.md sessions 4-5): S64K
-    at density 0.1 8.81 ms heads fastest (128 x 64 tiles: 9.14; 4 stages 8.91; warp
-    specialisation +-0.5%), 7.63-7.82 ms KV head by KV head (the default order); density 1.0
-    69-71 ms = 1.09-1.11x dense flash. Wide heads (> 128) take 32-key steps and
-    2 stages, as dense does, so the K / V stages fit in shared memory."""
+    """128 queries x 128 keys, 8 warps, 3 stages (224 KiB of shared memory at H = 128): H100,
+    N32/K8/H128 bf16, S64K at density 0.1 7.63-7.82 ms (128 x 64 tiles or 4 stages 1-4% slower,
+    warp specialisation +-0.5%); density 1.0 at 1.09-1.11x the dense flash. Wide heads (> 128)
+    take 32-key steps and 2 stages, as dense does, so the K / V stages fit in shared memory.
+    `python -m experiments.tools.sweep block_sparse_prefill` times alternatives."""
     if max(head_dim, value_head_dim or head_dim) > 128:
         return Config(block_m=128, block_n=32, num_stages=2)
     return Config()

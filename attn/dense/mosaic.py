@@ -2,8 +2,8 @@
 
 Why a second forward next to `attn/dense/triton.py`: the Triton kernel stalls ~18% of the time on
 the `Q Kᵀ` wgmma right after issuing it (softmax never overlaps the tensor cores inside a warp
-group) and Triton 3.6 through jax-triton 0.3.1 cannot express the schedule that hides it
-(benchmarks/NOTES.md, sessions 5-9). Here the schedule is written out (FlashAttention-3's):
+group) and Triton 3.6 through jax-triton 0.3.1 cannot express the schedule that hides it. Here
+the schedule is written out (FlashAttention-3's):
 
 - Three warp groups per program. Two compute warp groups own `block_q` query rows each (the
   program's `2 * block_q` consecutive tokens of one query head); the third only issues TMA copies
@@ -24,6 +24,12 @@ group sees nothing of it, which happens for at most one step at each end of the 
 the two groups' rows differ by `block_q`): a skipped step only keeps the barrier protocol (it waits
 and releases the slot and passes `turn` twice). `step_ranges` computes these ranges; it is plain
 integer arithmetic, checked on the CPU against a brute-force visibility count.
+
+Non-finite values: a NaN key is masked out of the scores, but a non-finite *value* in a masked
+step reaches the rows of the step that do not see it (`P V` makes `0 * NaN`); keys no step visits
+never do. Zeroing them in a masked step (a cleaned copy of the V slot in shared memory for the
+wgmma, the rows that see one marked NaN) was exact but cost 11% at causal S8K N32 / K8 H128 on
+the H100 (0.99 -> 1.10 ms), so the fix is still open (issue 20); the Triton kernels have it.
 
 The program-independent part is `flash_call`: it runs the schedule above over whatever list a
 `Plan` gives each program (its request, heads, first row, number of steps, the key block of each
@@ -93,10 +99,10 @@ class Config:
 
 
 def default_config(head_dim: int) -> Config:
-    """64 rows a compute group, 128-key steps, 2 slots. H100, causal N32 / K8 H128 at S8K / S16K
-    with JAX's example kernel of this schedule (benchmarks/NOTES.md, session 9): 3 slots 0.98 /
-    3.74 ms against 2 slots' 0.92 / 3.58, 64-key steps 1.12 / 4.17; here 3 slots of 128 keys do
-    not fit in shared memory at H128 (232568 B, 120 B over)."""
+    """64 rows a compute group, 128-key steps, 2 slots: H100, causal N32 / K8 H128 at S8K / S16K
+    (JAX's example kernel of this schedule), 2 slots 0.92 / 3.58 ms against 3 slots' 0.98 / 3.74
+    and 64-key steps' 1.12 / 4.17; 3 slots of 128 keys do not fit in shared memory at H128 here
+    (120 B over)."""
     del head_dim
     return Config()
 

@@ -78,8 +78,8 @@ def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
     """The dense forward's Hopper tiles (128 rows x 64 keys, 8 warps, 3 stages) for page tiles
     (ptxas for sm_90a at H = 128, P = 64: 215 registers, no spills, 128 KiB shared), 2 stages
     on the gather path (pages under 64 tokens). Wide heads (> 128) take 32-key tiles and 2 stages
-    so the K/V stages fit in shared memory. Not yet timed on the GPU:
-    `python -m experiments.bench_prefill --rows paged_prefill` decides."""
+    so the K/V stages fit in shared memory. `python -m experiments.tools.sweep paged_prefill`
+    times alternatives (`python -m experiments.bench prefill --rows paged_prefill`: this one)."""
     if max(head_dim, value_head_dim or head_dim) > 128:
         return Config(block_m=128, block_n=32, num_warps=8, num_stages=2)
     return Config()

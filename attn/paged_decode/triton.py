@@ -60,7 +60,8 @@ class Config:
 
 
 def default_config(batch: int, num_kv_heads: int, max_len: int, *, fp8: bool = False) -> Config:
-    """Tiles measured best on the H100 (benchmarks/NOTES.md), the same for every group size
+    """Tiles measured best on the H100 (`python -m experiments.tools.sweep paged_decode`), the
+    same for every group size
     (queries pad to 16 rows): bf16 128-token tiles with 4 warps; fp8 64-token tiles with 2 warps
     (half the bytes per tile, so fewer threads keep the loads in flight); splits so that about
     4 programs per SM are in flight.

@@ -15,9 +15,9 @@ to finish; quantisation, block sums and selection stay the Triton kernels'.
   gather is the TMA box's row stride. Each group issues one `e4m3 x e4m3 -> f32` wgmma a slice
   on the shared k slice and releases the slot (two arrivals); group 0 then refills it with the
   slice `stages` steps on, which runs on into the next tile, so the ring is full while the
-  groups finish a tile. (Session 10's separate TMA warp group made the kernel 384 threads, built
-  for 168 registers a thread; without it the groups get 255, which the epilogue below uses:
-  2-4% faster on the H100, 6% on an H200.)
+  groups finish a tile. No separate TMA warp group: it would make the kernel 384 threads at 168
+  registers a thread; without it the groups get 255, which the epilogue below uses (2-4% faster
+  on the H100, 6% on an H200).
 - Epilogue per group: scores times the q row scales (the score scale folded in; both scales'
   loads issued before the mainloop) and the k column scales, the causal rule `c <= m + shift`
   (on tiles across the diagonal only), the row maximum, `p = 2^(s - max)`; the block sums
@@ -27,7 +27,7 @@ to finish; quantisation, block sums and selection stay the Triton kernels'.
   GMEM from the registers (`[pairs, RP, Sb]` and `[pairs, NT, RP]`, `RP` the reduced rows
   padded to whole row tiles).
 
-Where the time goes (H100, S64K N32 / K8, benchmarks/NOTES.md sessions 10-11): the slices'
+Where the time goes (H100, S64K N32 / K8): the slices'
 loads alone take ~0.9 ms, 786 KB per tile at ~32 B per clock per SM (CTA pairs multicasting k
 did not change it: the bound is each SM's intake, not L2); the epilogue adds ~0.2 ms (without
 it 0.77 of ~0.98). 128 x 256 is the largest tile the registers hold: a 64 x 256 f32
@@ -60,7 +60,7 @@ _HEAD_DIM = 128  # one slice = one 128-byte e4m3 row = the 128-byte swizzle
 _R = 8  # reduced columns per key block (block_size / stride)
 # Compute warp groups: a program's tile is 128 x block_c. Two groups (256 threads) get 255
 # registers a thread; a third (384 threads: 168) spills group 0's copy issue next to a 64 x 256
-# accumulator (524 bytes, the scores 1.54 ms against 0.98 at S64K, session 11).
+# accumulator (524 bytes, the scores 1.54 ms against 0.98 at S64K).
 _GROUPS = 2
 _SMEM_BYTES = 227 * 1024  # Hopper's shared memory per block
 
@@ -71,8 +71,8 @@ class Config:
     group), `stages` slices in flight."""
 
     block_c: int = 256
-    # H100 S64K scores alone: 4 slots 0.960-0.966 ms, 3 slots 1.10-1.12 (session 11); 5 do not
-    # fit at 256 columns.
+    # H100 S64K scores alone: 4 slots 0.960-0.966 ms, 3 slots 1.10-1.12; 5 do not fit at 256
+    # columns.
     stages: int = 4
     # Persistent programs, each walking every `programs`-th (pair, tile) item (default: one per
     # SM), so the TMA ring runs on into the next tile while the compute groups finish one.
@@ -308,8 +308,7 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
                             + jnp.log2(jnp.where(blk > 0.0, blk, 1.0)), -jnp.inf)
             row_lse = jnp.where(row > 0.0, mx + jnp.log2(jnp.where(row > 0.0, row, 1.0)),
                                 -jnp.inf)
-            # Straight from the registers (staging through shared memory and TMA measured 1%
-            # slower, session 10).
+            # Straight from the registers (staging through shared memory and TMA: 1% slower).
             lse_ref.at[pair, pl.ds(row0, _GROUP_ROWS), pl.ds(col_tile * cb, cb)][...] = lse
             tile_lse_ref.at[pair, col_tile, pl.ds(row0, _GROUP_ROWS)][...] = row_lse
 
