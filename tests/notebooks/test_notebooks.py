@@ -58,5 +58,10 @@ def test_notebook_runs(path):
         assert _ratio(out, "dense, fp8 pages") < 0.3, out  # float32 -> e4m3 + scales
     if path.stem == "state_pools":  # the byte accounting equals the engine's, on both tiny models
         assert len(re.findall(r"engine (\d+) bytes, request_bytes \1 bytes", out)) == 2, out
+    if path.stem == "heads":  # scored heads keep at least the passkeys every-other heads keep
+        hits = {m[1].strip(): int(m[2]) for m in re.finditer(r"^ *([\w ]+): (\d+)/\d+ passkeys",
+                                                           out, re.M)}
+        assert set(hits) == {"dense", "every other", "scored", "trained"}, out
+        assert hits["scored"] >= hits["every other"], out
     if path.stem == "kernel_roofline":
         assert re.search(r"^decode: \d+ rows", out, re.M), out
