@@ -518,7 +518,7 @@ def paged_prefill_attention(
     *,
     scale: float | None = None,
     window: int | Int[Array, " K"] | Int[Array, "B K"] | None = None,
-    sinks: int | Int[Array, " K"] | Int[Array, "B K"] | None = None,
+    sinks: int | Int[Array, " K"] | Int[Array, "B K"] = 0,
     k_scales: Float[Array, "K num_pages C"] | None = None,
     v_scales: Float[Array, "K num_pages C"] | None = None,
 ) -> tuple[Float[Array, "B T N Hv"], Float[Array, "B T N"]]:
@@ -543,7 +543,7 @@ def paged_prefill_attention(
       scale: softmax scale, default `H ** -0.5`.
       window: None, an int, `[K]` or `[B, K]` int32 (per request and head): most recent
         positions visible, the query's own included; `<= 0` means full.
-      sinks: None, an int >= 0, `[K]` or `[B, K]` int32: keys `s < sinks` stay visible.
+      sinks: an int >= 0, `[K]` or `[B, K]` int32: keys `s < sinks` stay visible.
       k_scales, v_scales: `[K, num_pages, P // sub_block]` float32 fp8 scales (`kv.fp8` layout),
         required exactly when the matching pages are fp8.
       implementation: `"xla"` (gather + dense reference), `"triton"` (reads the pages in the

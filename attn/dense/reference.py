@@ -207,7 +207,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, scale=
 
 
 def paged_prefill_attention(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, *, scale=None,
-                            window=None, sinks=None, k_scales=None, v_scales=None):
+                            window=None, sinks=0, k_scales=None, v_scales=None):
     """Specification of `attn.dense.paged_prefill_attention`: gather the pages, then causal
     `masked_attention` under `visible_mask` per row (`window` / `sinks` `[B, K]`), with absent
     pages (ids outside `[0, num_pages)`) masked. Negative offsets count from 0."""

@@ -74,10 +74,10 @@ def _gather_head_major(pages, block_tables, scales, dtype) -> Float[Array, "B K 
 
 def visible_mask(
     block_tables: Int[Array, "B K M"],
-    lengths: Int[Array, " B"],
+    kv_lengths: Int[Array, " B"],
     page_size: int,
     window: int | Int[Array, "*B K"] | None = None,
-    sinks: int | Int[Array, "*B K"] | None = None,
+    sinks: int | Int[Array, "*B K"] = 0,
     num_pages: int | None = None,
 ) -> Bool[Array, "B K S"]:
     """Which keys the decode query of each row sees, per KV head (see the module docstring);
@@ -87,7 +87,7 @@ def visible_mask(
     window = jnp.broadcast_to(per_head(window, num_kv), (batch, num_kv))[:, :, None]  # [B, K, 1]
     sinks = jnp.broadcast_to(per_head(sinks, num_kv), (batch, num_kv))[:, :, None]
     s = jnp.arange(max_pages * page_size, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
-    q_pos = (lengths.astype(jnp.int32) - 1)[:, None, None]  # [B, 1, 1]
+    q_pos = (kv_lengths.astype(jnp.int32) - 1)[:, None, None]  # [B, 1, 1]
     in_window = (window <= 0) | (s > q_pos - window)
     present = block_tables >= 0 if num_pages is None else page_present(block_tables, num_pages)
     owned = jnp.repeat(present, page_size, axis=-1)  # [B, K, S]
