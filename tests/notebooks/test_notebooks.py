@@ -63,5 +63,9 @@ def test_notebook_runs(path):
                                                            out, re.M)}
         assert set(hits) == {"dense", "every other", "scored", "trained"}, out
         assert hits["scored"] >= hits["every other"], out
+    if path.stem == "serving":  # every configuration served every request
+        lines = re.findall(r"^ *(uniform|headwise|fp8): +[\d.]+ tok/s, \d+ preemptions, peak",
+                           out, re.M)
+        assert sorted(lines) == ["fp8", "headwise", "uniform"], out
     if path.stem == "kernel_roofline":
         assert re.search(r"^decode: \d+ rows", out, re.M), out
