@@ -63,7 +63,7 @@ fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
 axes[0].bar(names, [summary[n]["tokens_per_s"] for n in names])
 axes[0].set(title="throughput", ylabel="generated tokens / s")
 for ax, metric in zip(axes[1:], ("ttft", "tbt")):
-    for i, n in enumerate(names):
+    for n in names:
         values = [summary[n][f"{metric}_p{q}_ms"] for q in serve_sim.PERCENTILES]
         ax.plot(serve_sim.PERCENTILES, values, marker="o", label=n)
     ax.set(title=metric.upper(), xlabel="percentile", ylabel="ms")

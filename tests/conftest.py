@@ -10,7 +10,6 @@ os.environ.setdefault("HOME", os.environ.get("HOME") or "/tmp")
 import jax
 import pytest
 
-
 # Parametrisations whose coverage a sibling case of the same test keeps in CI: they run with
 # `-m slow`, so the 2-core CI stays within its 15-minute budget. Node ids, parameters included.
 SLOW_ON_CPU = (
