@@ -85,7 +85,7 @@ def softcapped_attention_numpy(q, k, v, softcap: float, scale: float):
     """Causal GQA attention with soft-capped logits in float64 numpy (an independent formula);
     query `t` at position `t`, as `attention`'s default `q_offset=0`."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    b, t, n, _ = q.shape
+    _, t, n, _ = q.shape
     s, kh = k.shape[1], k.shape[2]
     kk = np.repeat(k, n // kh, axis=2)
     vv = np.repeat(v, n // kh, axis=2)
