@@ -82,16 +82,16 @@ def _key_tiles(q_lo, q_hi, kv_len, window, sinks, CAUSAL: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _drop_nonfinite(v, visible):
+def _drop_nonfinite(v):
     """Zero the non-finite entries of a value tile `v` `[BLOCK_N, BLOCK_HV]` of a masked tile,
     where a 0 weight would still make `0 * NaN` in the rows that do not see the key. Returns
-    `(v, row_bad)`: `row_bad` `[BLOCK_M]` int32 is 1 for the rows of `visible`
-    `[BLOCK_M, BLOCK_N]` that see a non-finite value; the caller makes them NaN, so such a value
-    reaches exactly the rows that see it, as in the reference."""
+    `(v, key_bad)`: `key_bad` `[BLOCK_N]` marks the keys whose value is not finite. The caller
+    makes the weights of the visible bad keys NaN (so the `P V` product makes exactly the rows
+    that see such a value NaN, as in the reference) and runs this before the score tile exists:
+    the `[BLOCK_N, BLOCK_HV]` check is dead by then and only `key_bad` stays live."""
     v_bad = ~(tl.abs(v.to(tl.float32)) < float("inf"))  # [BLOCK_N, BLOCK_HV]
-    key_bad = tl.max(v_bad.to(tl.int32), 1)  # [BLOCK_N]
-    row_bad = tl.max((visible & (key_bad > 0)[None, :]).to(tl.int32), 1)  # [BLOCK_M]
-    return tl.where(v_bad, 0.0, v), row_bad
+    key_bad = tl.max(v_bad.to(tl.int32), 1) > 0  # [BLOCK_N]
+    return tl.where(v_bad, 0.0, v), key_bad
 
 
 def _shapes(q, k, v):

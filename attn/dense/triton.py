@@ -14,9 +14,13 @@ the tiles every row sees whole run without one. A 4K window at 64K keys thus cos
 per row, and causal prefill stops at the diagonal.
 
 Non-finite values: in a masked tile a non-finite value is zeroed before the `P V` product and the
-rows that see it are set to NaN, so it reaches exactly the rows that see it (a 0 weight would still
-make `0 * NaN` in the others); a NaN key is masked out of the scores. Whole tiles need no such
-step (every row sees every key), so the check costs nothing on them. The backward
+weights of the visible keys that carry one are set to NaN, so it reaches exactly the rows that see
+it (a 0 weight would still make `0 * NaN` in the others); `l` sums the weights before that, so
+the lse stays the scores'. A NaN key is masked out of the scores. Whole tiles need no such step
+(every row sees every key), so the check costs nothing on them. Registers (default tiles,
+sm_90a: 255, no spills at H 64 / 128 / 256 with power-of-two groups, 4 bytes at G = 5): the value
+check runs first in a masked step, before the score tile is live, and the output row offsets are
+rebuilt from `pos` after the key loops rather than kept live through them. The backward
 (`attn/dense/_flash_bwd.py`: FlashAttention-2, a dQ kernel and a dK / dV kernel, the same tile
 split) keeps the same rule.
 
@@ -136,6 +140,9 @@ def _fwd_visit(
         k_ptrs = k_base + cols[:, None] * (K * H) + offs_h[None, :]  # [BLOCK_N, BLOCK_H]
         v_ptrs = v_base + cols[:, None] * (K * HV) + offs_hv[None, :]  # [BLOCK_N, BLOCK_HV]
         in_kv = cols < kv_len
+        if MASKED:  # the value check first, while the score tile is not live yet
+            v = _load(v_ptrs, in_kv, mask_hv, MASKED, BLOCK_HV != HV)
+            v, key_bad = _drop_nonfinite(v)
         k = _load(k_ptrs, in_kv, mask_h, MASKED, BLOCK_H != H)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
         if CAP > 0:  # soft-capping, in unscaled units: CAP * tanh(qk / CAP), CAP = softcap / scale
@@ -145,14 +152,12 @@ def _fwd_visit(
             p, alpha, m_new = _masked_softmax_step(qk, m, visible, SCALE_LOG2)
         else:
             p, alpha, m_new = _whole_softmax_step(qk, m, SCALE_LOG2)
-        v = _load(v_ptrs, in_kv, mask_hv, MASKED, BLOCK_HV != HV)
-        if MASKED:  # a non-finite value reaches exactly the rows that see it
-            v, row_bad = _drop_nonfinite(v, visible)
+            v = _load(v_ptrs, in_kv, mask_hv, MASKED, BLOCK_HV != HV)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if MASKED:  # NaN weights make the rows that see a non-finite value NaN
+            p = tl.where(visible & key_bad[None, :], float("nan"), p)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        if MASKED:
-            acc = tl.where(row_bad[:, None] > 0, float("nan"), acc)
         m = m_new
     return acc, l, m
 
@@ -240,6 +245,11 @@ def _flash_fwd_kernel(
     safe_l = tl.where(empty, 1.0, l)
     out = acc / safe_l[:, None]
     lse = tl.where(empty, float("-inf"), (m + tl.log2(safe_l)) * 0.6931471805599453)
+    # The output rows from `pos` (live through the key loops anyway) rather than `q_rows` held
+    # through them: `tok = pos - q_off`, and `rows % G` from the tile start.
+    tok = pos - q_off
+    q_rows = (b.to(tl.int64) * (T * N) + tok * N + kh * G
+              + ((mt * BLOCK_M) % G + tl.arange(0, BLOCK_M)) % G)
     tl.store(o_ptr + q_rows[:, None] * HV + offs_hv[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (offs_hv < HV)[None, :])
     tl.store(lse_ptr + q_rows, lse, mask=row_ok)
