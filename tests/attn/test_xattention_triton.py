@@ -454,12 +454,13 @@ def test_score_kernel_compiles_for_sm90():
     lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("AOT ")}
     assert set(lines) == {"bf16", "fp8", "fp8-s4", "fp8-api", "quantize"}, out
     quantize = lines.pop("quantize")  # the e4m3 pass: the GPU's rounding, no spills
-    assert "cvt.rn.satfinite.e4m3x2.f32" in quantize and "0 bytes spill stores" in quantize
+    assert "cvt.rn.satfinite.e4m3x2.f32" in quantize
+    assert re.search(r"\b0 bytes spill stores", quantize), quantize
     for name, line in lines.items():
         _, _, mma, shared = line.split()[:4]
         dtype = "e4m3.e4m3" if name.startswith("fp8") else "bf16.bf16"
         assert mma and all(m.endswith(f".f32.{dtype}") for m in mma.split(",")), line
-        assert "0 bytes spill stores" in line, line
+        assert re.search(r"\b0 bytes spill stores", line), line
         if name == "fp8-api":  # 128 x 256: one program per SM (255 registers, 144 KiB)
             assert int(shared) <= 227 * 1024, line
             continue
