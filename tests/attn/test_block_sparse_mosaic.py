@@ -33,6 +33,11 @@ def test_refusals_name_the_value(shape, options, match):
                                **options)
 
 
+# `slow`: the Mosaic GPU interpreter runs each warp group as a compiled computation that
+# blocks in barrier callbacks; on a 2-core machine XLA's CPU thread pool can starve and the
+# test can hang. Run it with `-m slow` on a machine with more cores; the compiled
+# kernel is covered on the GPU (`-m gpu`).
+@pytest.mark.slow
 def test_interpreted_kernel_matches_reference():
     """Pallas's Mosaic GPU interpreter on the CPU: every mode, an empty list row and the
     diagonal's masked step (blocks of 128: two query tiles of two heads)."""
