@@ -15,8 +15,6 @@ rather than JAX's "Pure callbacks do not support JVP" (CPU) or a missing rule of
 primitive (GPU). Inside a `custom_vjp` the rule never fires (first-order gradients are
 unaffected); differentiating such a backward again (a second derivative) reaches it.
 
-`resolve_implementation` turns the public `implementation=` argument into a concrete backend.
-
 Not supported: autotuned kernels (pass explicit tile sizes) and `zeroed_outputs` given as a
 callable. The interpreter path is for correctness, not speed.
 """
@@ -32,8 +30,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-IMPLEMENTATIONS = ("xla", "triton", "mosaic", "auto")
-
 # jax dtype -> (integer view dtype for the numpy/torch crossing, torch dtype name).
 # numpy has no bf16 / fp8 of its own, so those cross as raw bits.
 _BIT_VIEWS = {
@@ -46,31 +42,6 @@ _BIT_VIEWS = {
 def on_gpu() -> bool:
     """Whether the default JAX backend is a CUDA GPU."""
     return jax.default_backend() == "gpu"
-
-
-def resolve_implementation(implementation: str, *, supported: Sequence[str]) -> str:
-    """Map `implementation=` to a concrete backend for this platform.
-
-    Args:
-      implementation: one of `IMPLEMENTATIONS`.
-      supported: the backends the op has, in order of preference on the GPU (e.g.
-        `("triton", "xla")`). `"xla"` must always be among them.
-
-    Returns:
-      `"xla"`, `"triton"` or `"mosaic"`. `"auto"` is `"xla"` on a CPU and the first of `supported`
-      on a GPU.
-
-    Raises:
-      ValueError: `implementation` is not a known name.
-      NotImplementedError: a known backend this op does not have.
-    """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
-    if implementation == "auto":
-        return supported[0] if on_gpu() else "xla"
-    if implementation not in supported:
-        raise NotImplementedError(f"{implementation=} is not available for this op; {supported=}")
-    return implementation
 
 
 def triton_call(

@@ -45,7 +45,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from attn import _checks
-from attn._harness import resolve_implementation
+from attn._op import Backend, op
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0
@@ -214,14 +214,20 @@ def _quantize_tokens(pages, scales, x, page_ids, offsets):
     return tokens.reshape(pages.shape), block_scales.reshape(scales.shape)
 
 
+# `quantize_tokens`' backends (`attn._op`): the Triton kernel on a GPU, the scatters elsewhere.
+_QUANTIZE_TOKENS_BACKENDS = (
+    Backend(name="triton", run="kv.fp8_triton:quantize_tokens"),
+    Backend(name="xla", run=_quantize_tokens, platforms=("cpu", "gpu")),
+)
+
+
+@op(name="quantize_tokens", backends=_QUANTIZE_TOKENS_BACKENDS)
 def quantize_tokens(
     pages: Array,
     scales: Float[Array, "K num_pages C"],
     x: Float[Array, "T K H"],
     page_ids: Int[Array, "T K"],
     offsets: Int[Array, " T"],
-    *,
-    implementation: str = "auto",
 ) -> tuple[Array, Float[Array, "K num_pages C"]]:
     """Append tokens to fp8 pages, re-quantising each touched sub-block (read-modify-write).
 
@@ -256,7 +262,7 @@ def quantize_tokens(
 
     Raises:
       TypeError: dtypes (pages e4m3, scales float32, x float, ids and offsets int32).
-      ValueError: shapes inconsistent.
+      ValueError: shapes inconsistent; an unknown implementation name.
     """
     _check_fp8("pages", pages)
     if jnp.dtype(scales.dtype) != jnp.float32:
@@ -283,8 +289,4 @@ def quantize_tokens(
                          f"more than int32 indices address; use fewer pages per pool")
     # Ids are data (out of range: not written); the checked mode turns garbage into an error.
     _checks.check_table_ids("page_ids", page_ids, num_pages)
-    if resolve_implementation(implementation, supported=("triton", "xla")) == "triton":
-        from kv import fp8_triton  # imports Triton, which only kernels need
-
-        return fp8_triton.quantize_tokens(pages, scales, x, page_ids, offsets)
-    return _quantize_tokens(pages, scales, x, page_ids, offsets)
+    return dict(pages=pages, scales=scales, x=x, page_ids=page_ids, offsets=offsets)

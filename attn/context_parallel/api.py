@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from attn import _checks
-from attn._harness import IMPLEMENTATIONS
+from attn._op import IMPLEMENTATIONS
 from attn.context_parallel import _layout
 from attn.context_parallel.allgather import allgather_attention_shard
 from attn.context_parallel.ring import ring_attention_shard

@@ -1,8 +1,9 @@
-"""Public XAttention estimate and threshold selection: validation once, then the reference.
+"""Public XAttention estimate and threshold selection: validation once, then the backend.
 
-`xattn_estimate` has the `xla` reference (jittable with static shapes) and a Triton kernel for the
-scores and block sums (`attn/xattention/triton.py`; the threshold selection stays in XLA), which
-`auto` picks on a GPU. `find_blocks` is XLA only.
+`xattn_estimate` is an op (`attn._op`): the `xla` reference (jittable with static shapes) and a
+Triton kernel for the scores and block sums (`attn/xattention/triton.py`, with the Mosaic GPU
+score kernel inside its fp8 config; the threshold selection in a Triton kernel too), which `auto`
+picks on a GPU where it supports the call. `find_blocks` is XLA only.
 """
 
 import jax
@@ -11,7 +12,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from attn import _checks
-from attn._harness import resolve_implementation
+from attn._op import Backend, op
 from attn.block_sparse.api import check_geometry
 from attn.xattention import reference
 
@@ -29,6 +30,46 @@ def _check_threshold(threshold) -> None:
         raise ValueError(f"{threshold=} must lie in (0, 1]")
 
 
+def _estimate_xla(*, q, k, block_size, stride, threshold, norm, chunk_size, q_lengths,
+                  kv_lengths, fp8):
+    if fp8:  # the same rounding as the kernel's, scored in float32
+        b, t, s = q.shape[0], q.shape[1], k.shape[1]
+        q = reference.dequantize_e4m3(
+            *reference.quantize_e4m3(q, reference._lengths(q_lengths, t, b), stride), stride)
+        k = reference.dequantize_e4m3(
+            *reference.quantize_e4m3(k, reference._lengths(kv_lengths, s, b), stride), stride)
+    return _estimate(
+        q, k, block_size=block_size, stride=stride, threshold=jnp.float32(threshold),
+        norm=jnp.float32(norm), chunk_size=chunk_size, q_lengths=q_lengths, kv_lengths=kv_lengths)
+
+
+def _estimate_triton(*, chunk_size, fp8, config, **args):
+    del chunk_size, fp8  # the kernel's memory is bounded by `config.scratch_bytes`; fp8: config's
+    from attn.xattention import triton as kernel
+
+    return kernel.xattn_estimate(**args, config=config)
+
+
+def _triton_config(args):
+    from attn.xattention import triton as kernel
+
+    return kernel.FP8_CONFIG if args["fp8"] else kernel.Config()
+
+
+def _tuning_key(args) -> str:
+    return (f"H{args['q'].shape[-1]}-st{args['stride']}-bs{args['block_size']}-"
+            f"{'fp8' if args['fp8'] else 'float'}")
+
+
+_BACKENDS = (
+    Backend(name="triton", run=_estimate_triton, supports="attn.xattention.triton:supports",
+            config_type="attn.xattention.triton:Config", default_config=_triton_config,
+            tuning_key=_tuning_key),
+    Backend(name="xla", run=_estimate_xla, platforms=("cpu", "gpu")),
+)
+
+
+@op(name="xattn_estimate", backends=_BACKENDS)
 def xattn_estimate(
     q: Float[Array, "B T N H"],
     k: Float[Array, "B S K H"],
@@ -40,7 +81,6 @@ def xattn_estimate(
     chunk_size: int | None = None,
     q_lengths: Int[Array, " B"] | None = None,
     kv_lengths: Int[Array, " B"] | None = None,
-    implementation: str = "auto",
     fp8: bool = False,
 ) -> tuple[Float[Array, "B N Tb Sb"], Bool[Array, "B N Tb Sb"]]:
     """XAttention block importance (antidiagonal strided scoring) and its threshold block mask.
@@ -64,17 +104,20 @@ def xattn_estimate(
         next power of two of S, as the original.
       q_lengths: `[B]` int32 valid queries per request (default T).
       kv_lengths: `[B]` int32 valid keys per request (default S).
-      implementation: `"xla"`, `"triton"` (one causal GEMM pass storing partial
-        log-sum-exps per key block, then a small kernel combining them into block sums; scratch
-        capped by `Config.scratch_bytes`; the selection in a third kernel; not differentiable)
-        or `"auto"`
-        (the kernel on a GPU).
       fp8: score q and k rounded to e4m3 (one power-of-two scale per head and `stride` tokens,
         `attn.xattention.reference.quantize_e4m3`): the kernel's GEMM then runs on the fp8 tensor
         cores (`triton.FP8_CONFIG`: on a Hopper GPU with full lengths the Mosaic GPU score
         kernel, `attn/xattention/mosaic.py`, else the Triton one with 128 x 256 score tiles; on
         the H100 ~1.5x / 1.65x the bf16 kernel at S64K / S128K, 99.7% of mask entries equal);
         `"xla"` scores the same rounded values in float32.
+      implementation: `"xla"`, `"triton"` (one causal GEMM pass storing partial
+        log-sum-exps per key block, then a small kernel combining them into block sums; scratch
+        capped by `Config.scratch_bytes`; the selection in a third kernel; not differentiable:
+        differentiating it raises a TypeError) or `"auto"` (the kernel on a GPU where it
+        supports the call).
+      config: an `attn.xattention.triton.Config` (names the Triton backend; its `fp8` must equal
+        `fp8`); default: `triton.FP8_CONFIG` with `fp8`, else `triton.Config()`, and the tuning
+        cache.
 
     Returns:
       `(block_sums [B, N, Tb, Sb] float32, block_mask [B, N, Tb, Sb] bool)`, `Tb = ceil(T /
@@ -83,8 +126,9 @@ def xattn_estimate(
     Raises:
       ValueError: bad ranks or sizes, block size, stride, threshold, norm, chunk size, lengths,
         implementation name.
-      TypeError: wrong dtypes.
-      NotImplementedError: a backend this op does not have; `"triton"` with head dims over 256.
+      TypeError: wrong dtypes, a non-bool `fp8`.
+      NotImplementedError: a backend this op does not have; `"triton"` with head dims over 256
+        (the reasons: `xattn_estimate.reasons("triton", q, k, ...)`).
     """
     check_geometry(q, k, block_size=block_size, q_lengths=q_lengths, kv_lengths=kv_lengths)
     _checks.check_positive("stride", stride)
@@ -95,27 +139,10 @@ def xattn_estimate(
     if chunk_size is not None:
         _checks.check_positive("chunk_size", chunk_size)
         _checks.check_divisible("chunk_size", chunk_size, "block_size", block_size)
-    impl = resolve_implementation(implementation, supported=("triton", "xla"))
-    if impl == "triton":
-        from attn.xattention import triton as kernel
-
-        try:  # refuses unsupported shapes before launching anything
-            return kernel.xattn_estimate(
-                q, k, block_size=block_size, stride=stride, threshold=threshold, norm=norm,
-                q_lengths=q_lengths, kv_lengths=kv_lengths,
-                config=kernel.FP8_CONFIG if fp8 else None)
-        except NotImplementedError:
-            if implementation == "triton":
-                raise
-    if fp8:  # the same rounding as the kernel's, scored in float32
-        b, t, s = q.shape[0], q.shape[1], k.shape[1]
-        q = reference.dequantize_e4m3(
-            *reference.quantize_e4m3(q, reference._lengths(q_lengths, t, b), stride), stride)
-        k = reference.dequantize_e4m3(
-            *reference.quantize_e4m3(k, reference._lengths(kv_lengths, s, b), stride), stride)
-    return _estimate(
-        q, k, block_size=block_size, stride=stride, threshold=jnp.float32(threshold),
-        norm=jnp.float32(norm), chunk_size=chunk_size, q_lengths=q_lengths, kv_lengths=kv_lengths)
+    if not isinstance(fp8, (bool, np.bool_)):
+        raise TypeError(f"fp8={fp8!r} must be a bool")
+    return dict(q=q, k=k, block_size=block_size, stride=stride, threshold=threshold, norm=norm,
+                chunk_size=chunk_size, q_lengths=q_lengths, kv_lengths=kv_lengths, fp8=bool(fp8))
 
 
 def find_blocks(

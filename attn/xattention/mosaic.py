@@ -34,9 +34,10 @@ it 0.77 of ~0.98). 128 x 256 is the largest tile the registers hold: a 64 x 256 
 accumulator is 128 registers a thread, and a third group (192-row tiles, 0.79x the intake a
 score) leaves 168 registers a thread, where group 0's copy issue spills.
 
-Supports (else NotImplementedError; the caller runs the Triton kernel): full lengths, `H = 128`,
-`block_size / stride = 8`, `T` a multiple of `64·stride`, `S` of `block_c·stride`, `T <= S`
-(queries at the end of the keys). A Hopper GPU; on the CPU it runs in Pallas's Mosaic GPU
+Supports (else `reasons` names what is missing; the caller runs the Triton kernel): full
+lengths, `H = 128`, `block_size / stride = 8`, `T` a multiple of `64·stride`, `S` of
+`block_c·stride`, `T <= S` (queries at the end of the keys), a config that fits the device's
+shared memory. A Hopper GPU; on the CPU it runs in Pallas's Mosaic GPU
 interpreter with `interpret=True` (the wgmmas as `jnp` products of the same shared-memory tiles;
 `T / stride` a multiple of 128 there, whole row tiles: its copies fail out of bounds).
 """
@@ -53,6 +54,7 @@ import numpy as np
 from jax import lax
 
 from attn import _checks
+from attn._op import device_facts
 from attn.dense import mosaic as dense_mosaic
 
 _GROUP_ROWS = 64  # reduced rows a compute warp group (one wgmma M)
@@ -62,7 +64,6 @@ _R = 8  # reduced columns per key block (block_size / stride)
 # registers a thread; a third (384 threads: 168) spills group 0's copy issue next to a 64 x 256
 # accumulator (524 bytes, the scores 1.54 ms against 0.98 at S64K).
 _GROUPS = 2
-_SMEM_BYTES = 227 * 1024  # Hopper's shared memory per block
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,10 +88,6 @@ class Config:
             raise ValueError(f"stages={self.stages} must be >= 2")
         if self.programs is not None and self.programs < 1:
             raise ValueError(f"programs={self.programs} must be positive")
-        if self.smem_bytes > _SMEM_BYTES:
-            raise ValueError(f"stages={self.stages} slots of {_GROUP_ROWS * _GROUPS} q + "
-                             f"{self.block_c} k rows need {self.smem_bytes} bytes of shared "
-                             f"memory, over {_SMEM_BYTES}")
 
     @property
     def smem_bytes(self) -> int:
@@ -99,34 +96,48 @@ class Config:
                 + self.block_c * (self.block_c // _R) * 2)
 
 
-def check_supported(q, k, *, block_size: int, stride: int, q_lengths, kv_lengths,
-                    config: Config, device: bool = True) -> None:
-    """Raise NotImplementedError, naming the value, for what this kernel does not do (`device`:
-    also without a Hopper GPU)."""
-    def refuse(why):
-        raise NotImplementedError(f"Mosaic GPU XAttention scores: {why}")
-
+def reasons(q, k, *, block_size: int, stride: int, q_lengths, kv_lengths, config: Config,
+            device: bool = True) -> list[str]:
+    """What this kernel does not do for these arguments, each naming the value: shapes, lengths,
+    a `config` taking more shared memory than the device has (`attn._op.device_facts`), and
+    (`device`, unless interpreted) a device other than a Hopper GPU."""
     (_, t, _, h), s = q.shape, k.shape[1]
+    why = []
     if h != _HEAD_DIM:
-        refuse(f"H={h}: only {_HEAD_DIM}")
+        why.append(f"H={h}: only {_HEAD_DIM}")
     if block_size // stride != _R:
-        refuse(f"block_size={block_size}, stride={stride}: needs block_size / stride = {_R}")
+        why.append(f"block_size={block_size}, stride={stride}: needs block_size / stride = {_R}")
     if t % (_GROUP_ROWS * stride) or s % (config.block_c * stride) or t > s:
-        refuse(f"T={t}, S={s}: needs T a multiple of {_GROUP_ROWS * stride}, S of "
-               f"{config.block_c * stride} and T <= S")
+        why.append(f"T={t}, S={s}: needs T a multiple of {_GROUP_ROWS * stride}, S of "
+                   f"{config.block_c * stride} and T <= S")
     for name, lengths, full in (("q_lengths", q_lengths, t), ("kv_lengths", kv_lengths, s)):
         if lengths is None:
             continue
         got = _checks.concrete(lengths)
         if got is None or np.any(got != full):
-            refuse(f"{name}={lengths!r}: only the full length {full}")
+            why.append(f"{name}={lengths!r}: only the full length {full}")
     if config.interpret and (t // stride) % (_GROUP_ROWS * _GROUPS):
         # TMA fills a last row tile's rows past T / st with zeros; the interpreter's copies
         # fail out of bounds instead.
-        refuse(f"T={t}: interpreted, T / stride must be a multiple of {_GROUP_ROWS * _GROUPS} "
-               f"(whole row tiles)")
+        why.append(f"T={t}: interpreted, T / stride must be a multiple of "
+                   f"{_GROUP_ROWS * _GROUPS} (whole row tiles)")
+    limit = device_facts().shared_memory  # (an H100's on a CPU)
+    if config.smem_bytes > limit:
+        why.append(f"stages={config.stages} slots of {_GROUP_ROWS * _GROUPS} q + "
+                   f"{config.block_c} k rows need {config.smem_bytes} bytes of shared "
+                   f"memory, over the device's {limit}")
     if device and not config.interpret:
-        dense_mosaic.check_device()
+        why.extend(dense_mosaic.device_reasons())
+    return [f"Mosaic GPU XAttention scores: {w}" for w in why]
+
+
+def check_supported(q, k, *, block_size: int, stride: int, q_lengths, kv_lengths,
+                    config: Config, device: bool = True) -> None:
+    """Raise NotImplementedError listing `reasons`, if any."""
+    why = reasons(q, k, block_size=block_size, stride=stride, q_lengths=q_lengths,
+                  kv_lengths=kv_lengths, config=config, device=device)
+    if why:
+        raise NotImplementedError("; ".join(why))
 
 
 @functools.cache
@@ -201,7 +212,8 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
 
     num_tiles = tiles.shape[0]
     total = num_tiles * count  # (pair, tile) work items, tiles fastest
-    sms = getattr(jax.devices()[0], "core_count", 0) or 4  # (the interpreter on a CPU: 4)
+    # One program per SM; interpreted (on a CPU) 4, each a set of Python threads.
+    sms = 4 if config.interpret else device_facts().num_sms
     programs = min(total, config.programs or sms)
 
     def kernel(q_ref, k_ref, qs_ref, ks_ref, e_ref, tiles_ref, lse_ref, tile_lse_ref, scoped):

@@ -56,8 +56,8 @@ k_i²)`.
 
 Supports: any group size, `H` up to 256 (padded to a power of two and masked), bf16 / f16 / f32
 (f32 with IEEE dots, for tests), power-of-two block sizes and strides (as the API requires).
-Not differentiable (a mask estimate). Not supported (NotImplementedError, so
-`implementation="auto"` falls back to XLA): head dims over 256.
+Not differentiable (a mask estimate). Not supported (`supports` lists it, so
+`implementation="auto"` runs XLA): head dims over 256; fp8 with `stride · H < 32`.
 """
 
 import dataclasses
@@ -347,13 +347,19 @@ def _block_sums_kernel(
 FP8_CONFIG = Config(fp8=True, block_k=128, block_c=256, mosaic=mosaic_scores.Config())
 
 
-def check_supported(q) -> None:
-    """Raise NotImplementedError for what the kernel does not do (the API then uses XLA)."""
-    if q.shape[-1] > _MAX_HEAD_DIM:
-        raise NotImplementedError(f"head dim H={q.shape[-1]} over {_MAX_HEAD_DIM} is not "
-                                  f"supported by the Triton XAttention estimate")
-
-
+def supports(args: dict, config: Config) -> list[str]:
+    """Why the kernels cannot run `attn.xattention.xattn_estimate`'s validated `args` with
+    `config` (the Mosaic score kernel's own limits only make it fall back to the Triton one)."""
+    h, stride = args["q"].shape[-1], args["stride"]
+    reasons = []
+    if h > _MAX_HEAD_DIM:
+        reasons.append(f"head dim H={h} over {_MAX_HEAD_DIM}")
+    if config.fp8 != args["fp8"]:
+        reasons.append(f"config.fp8={config.fp8} with fp8={args['fp8']}: the config's rounding "
+                       f"must be the call's")
+    if config.fp8 and stride * max(16, triton.next_power_of_2(h)) < 32:
+        reasons.append(f"fp8 with stride * H = {stride} * {h}: an fp8 MMA reduces over 32")
+    return reasons
 
 
 @triton.jit
@@ -524,22 +530,23 @@ def _estimate(q, k, threshold, norm, q_lengths, kv_lengths, *, block_size, strid
 def xattn_estimate(q, k, *, block_size=128, stride=16, threshold=0.9, norm=1.0, q_lengths=None,
                    kv_lengths=None, config: Config | None = None):
     """XAttention estimate through the kernels; arguments as `attn.xattention.xattn_estimate`
-    (validated there; `chunk_size` does not apply: `config.scratch_bytes` bounds memory).
+    (validated there; `chunk_size` does not apply: `config.scratch_bytes` bounds memory). With
+    `config.mosaic`, the Mosaic GPU score kernel where it applies (`mosaic.reasons` is empty),
+    else the Triton one.
 
     Returns:
       `(block_sums [B, N, Tb, Sb] float32, block_mask [B, N, Tb, Sb] bool)`.
 
     Raises:
-      NotImplementedError: see `check_supported`.
+      NotImplementedError: what `supports` lists.
     """
-    check_supported(q)
     config = config or Config()
-    if config.mosaic is not None:
-        try:
-            mosaic_scores.check_supported(q, k, block_size=block_size, stride=stride,
-                                          q_lengths=q_lengths, kv_lengths=kv_lengths,
-                                          config=config.mosaic)
-        except NotImplementedError:
-            config = dataclasses.replace(config, mosaic=None)
+    reasons = supports(dict(q=q, stride=stride, fp8=config.fp8), config)
+    if reasons:
+        raise NotImplementedError(f"Triton XAttention estimate: {'; '.join(reasons)}")
+    if config.mosaic is not None and mosaic_scores.reasons(
+            q, k, block_size=block_size, stride=stride, q_lengths=q_lengths,
+            kv_lengths=kv_lengths, config=config.mosaic):
+        config = dataclasses.replace(config, mosaic=None)
     return _estimate(q, k, jnp.float32(threshold), jnp.float32(norm), q_lengths, kv_lengths,
                      block_size=block_size, stride=stride, config=config)

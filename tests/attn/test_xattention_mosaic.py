@@ -4,11 +4,13 @@ interpreter (CPU) against the reference on the same e4m3 rounding, and compiled 
 against the Triton fp8 path."""
 
 import dataclasses
+import re
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attn._op import device_facts
 from attn.xattention import mosaic, xattn_estimate
 from attn.xattention import triton as kernel
 from tests.utils import randn, rng
@@ -66,8 +68,7 @@ def test_refusals_name_the_value(shapes, options, match):
 
 
 @pytest.mark.parametrize("kw,match", [({"block_c": 64}, "block_c=64"),
-                                      ({"stages": 1}, "stages=1"),
-                                      ({"stages": 5}, "stages=5 .* 262144 bytes")])
+                                      ({"stages": 1}, "stages=1")])
 def test_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         mosaic.Config(**kw)
@@ -75,6 +76,18 @@ def test_config_validation(kw, match):
         mosaic.Config(programs=0)
     with pytest.raises(ValueError, match="fp8"):
         kernel.Config(mosaic=mosaic.Config())
+
+
+def test_shared_memory_is_the_devices():
+    """5 slots at 256 columns take 262144 bytes, more than the device's shared memory (an
+    H100's on a CPU): a reason, and the estimate runs the Triton score kernel instead."""
+    q, k = jnp.zeros((1, 2048, 2, 128), BF16), jnp.zeros((1, 4096, 1, 128), BF16)
+    kw = dict(block_size=128, stride=16, q_lengths=None, kv_lengths=None)
+    big = mosaic.Config(stages=5, interpret=True)
+    assert big.smem_bytes == 262144 > device_facts().shared_memory
+    (reason,) = mosaic.reasons(q, k, config=big, **kw)
+    assert re.search(r"stages=5 .* 262144 bytes .* the device's \d+", reason), reason
+    assert mosaic.reasons(q, k, config=mosaic.Config(stages=4, interpret=True), **kw) == []
 
 
 # (A last row tile running past T / st, e.g. T = 3072, is left to the GPU tests: TMA fills its

@@ -169,6 +169,29 @@ def test_bf16_and_public_dispatch(monkeypatch):
                                      implementation="xla")[0])
 
 
+def test_op_reasons_and_config():
+    """The Triton backend says what it refuses (`xattn_estimate.reasons`), `auto` with a config
+    runs the backend that config configures, and a config's rounding must be the call's."""
+    gen = rng()
+    q, k, _ = _problem(gen, 1, 64, 64, 2, 1, 16, None, None, dtype=F32)
+    opts = dict(block_size=16, stride=4)
+    cfg = C(block_r=16, block_c=16, block_k=16)
+    assert xattn_estimate.reasons("triton", q, k, **opts) == []
+    got = xattn_estimate(q, k, config=cfg, **opts)
+    want = kernel.xattn_estimate(q, k, config=cfg, **opts)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    fp8_cfg = C(block_r=16, block_c=16, block_k=32, fp8=True)
+    (reason,) = xattn_estimate.reasons("triton", q, k, config=fp8_cfg, **opts)
+    assert "config.fp8=True with fp8=False" in reason
+    with pytest.raises(NotImplementedError, match="config.fp8=True with fp8=False"):
+        xattn_estimate(q, k, config=fp8_cfg, **opts)
+    one = dict(block_size=16, stride=1, fp8=True)
+    assert any("stride * H = 1 * 16" in r for r in xattn_estimate.reasons("triton", q, k, **one))
+    with pytest.raises(TypeError, match="fp8=1 must be a bool"):
+        xattn_estimate(q, k, fp8=1, **opts)
+
+
 @pytest.mark.parametrize("field,value", [("block_r", 8), ("block_c", 48), ("block_k", 8),
                                          ("num_warps", 6), ("num_stages", 0),
                                          ("scratch_bytes", 0)])

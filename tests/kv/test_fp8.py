@@ -336,6 +336,10 @@ def test_bad_input():
         fp8.quantize_tokens(q, s, tok, ids[:2], off)
     with pytest.raises(ValueError, match="offsets.shape"):
         fp8.quantize_tokens(q, s, tok, ids, off[:2])
+    with pytest.raises(ValueError, match="implementation='cuda'"):
+        fp8.quantize_tokens(q, s, tok, ids, off, implementation="cuda")
+    with pytest.raises(NotImplementedError, match="'mosaic' is not a backend"):
+        fp8.quantize_tokens(q, s, tok, ids, off, implementation="mosaic")
     huge = jax.ShapeDtypeStruct((8, 2**26, 16, 128), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="int32"):
         fp8.quantize_tokens(huge, jax.ShapeDtypeStruct((8, 2**26, 1), jnp.float32),
@@ -375,3 +379,12 @@ def test_triton_write_compiled_on_gpu_equals_xla(tokens):
                     donate_argnums=(0, 1))
     tri = write(jnp.copy(pages), jnp.copy(scales), *args)
     _assert_same_write(tri, xla, max_share=1e-5)
+
+
+def test_auto_picks_the_kernel_on_a_gpu_only(monkeypatch):
+    """`quantize_tokens` is an op (`attn._op`): `auto` is the Triton kernel on a GPU only."""
+    import attn._harness
+
+    assert fp8.quantize_tokens.select("auto", {})[0].name == "xla"
+    monkeypatch.setattr(attn._harness, "on_gpu", lambda: True)
+    assert fp8.quantize_tokens.select("auto", {})[0].name == "triton"
