@@ -11,11 +11,11 @@ import dataclasses
 
 import triton
 
+from attn._op import device_facts
+
 CHUNK = 64  # tokens per chunk C; the intra kernel's solve is written for 64 rows
 SUB = 16  # rows of the diagonal blocks the (I + A)⁻¹ solve inverts by substitution; C == 4 SUB
 GRID_YZ_MAX = 65535  # CUDA's limit on a grid's y and z axes
-NUM_SMS = 132  # H100 / H200 SXM
-SMEM_LIMIT = 232448  # bytes of shared memory one program may take (H100 / H200)
 # Relative time of one state step by value-slice width, one program per SM (H100, bf16, H = Hv =
 # 128: 1.49 us at 32, 2.02 us at 64).
 STEP_COST = {32: 1.0, 64: 1.36}
@@ -81,12 +81,14 @@ def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1, *,
                   intra_head_major=num_chunks <= GRID_YZ_MAX)
     pairs = nk is not None and nv % nk == 0 and (nv // nk) % 2 == 0
 
+    facts = device_facts()  # SM count and shared memory per program (an H100's on a CPU)
+
     def waves(width):
-        return triton.cdiv(num_seqs * nv * triton.cdiv(hv, width), NUM_SMS) * STEP_COST[width]
+        return triton.cdiv(num_seqs * nv * triton.cdiv(hv, width), facts.num_sms) * STEP_COST[width]
 
     fits = [(waves(w), w, s) for s in (3, 2) for w in STEP_COST
             if state_smem(h, min(w, max(16, triton.next_power_of_2(hv))), itemsize, s)
-            <= SMEM_LIMIT]
+            <= facts.shared_memory]
     _, width, stages = min(fits, key=lambda f: (f[0], -f[2], f[1])) if fits else (0, 32, 2)
     return Config(block_hv_state=width, state_warps=4, state_stages=stages, intra_pairs=pairs,
                   **majors)

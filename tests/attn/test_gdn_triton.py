@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn import gdn
+from attn import _op, gdn
+from attn._op import device_facts
 from attn.gdn import _chunk_config as cfg
 from attn.gdn import reference as ref
 from attn.gdn import triton as kernel
@@ -530,14 +531,24 @@ def test_default_config_shared_memory_decides_the_stages():
     """bf16 at H = 128: three stages fit at both widths; float32 intermediates or H = 256 do not
     fit three, and where no estimate fits, two stages at 32-wide slices."""
     for width in (32, 64):
-        assert cfg.state_smem(128, width, 2, 3) <= cfg.SMEM_LIMIT
+        assert cfg.state_smem(128, width, 2, 3) <= device_facts().shared_memory
     f32 = tc.default_config(1, 4, 128, nk=2, itemsize=4)
     wide = tc.default_config(1, 32, 128, nk=16, h=256)
     for config in (f32, wide):
         assert (config.block_hv_state, config.state_stages) == (32, 2)
-    assert cfg.state_smem(256, 32, 2, 3) > cfg.SMEM_LIMIT
+    assert cfg.state_smem(256, 32, 2, 3) > device_facts().shared_memory
     small = tc.default_config(2, 4, 32, nk=2, h=32)  # Hv 32: one slice whatever the width
     assert small.state_stages == 3
+
+
+def test_default_config_reads_the_device(monkeypatch):
+    """The heuristic's SM count and shared memory are the device's (`attn._op.device_facts`):
+    with less shared memory than three stages take, two."""
+    h100 = tc.default_config(1, 32, 128, nk=16)
+    small = _op.DeviceFacts(kind="test", num_sms=132, shared_memory=150_000)
+    monkeypatch.setattr(cfg, "device_facts", lambda: small)
+    assert cfg.state_smem(128, 32, 2, 2) <= small.shared_memory < cfg.state_smem(128, 32, 2, 3)
+    assert (h100.state_stages, tc.default_config(1, 32, 128, nk=16).state_stages) == (3, 2)
 
 
 def _sm90_jobs(config, nk, t_row):
@@ -582,7 +593,7 @@ def test_kernels_compile_for_sm90():
         assert r["spill_stores"] == 0, r
     for config, r in zip(configs, results[1:3], strict=True):
         bound = cfg.state_smem(128, config.block_hv_state, 2, config.state_stages)
-        assert r["shared"] <= bound <= cfg.SMEM_LIMIT, (config, r)
+        assert r["shared"] <= bound <= device_facts().shared_memory, (config, r)
 
 
 # GPU: compiled at the model's heads.
