@@ -48,6 +48,21 @@ def check_floating(name: str, x) -> None:
         raise TypeError(f"{name}.dtype={x.dtype} must be floating point")
 
 
+def check_float_dtype(name: str, dtype, *, min_bits: int = 8):
+    """The `jnp.dtype` of `dtype`; TypeError unless it is floating with at least `min_bits`."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or 8 * dtype.itemsize < min_bits:
+        raise TypeError(f"{name}={dtype} must be a floating dtype"
+                        + (f" of at least {min_bits} bits" if min_bits > 8 else ""))
+    return dtype
+
+
+def check_instance(name: str, x, cls: type) -> None:
+    """Raise TypeError unless `x` is a `cls` (a state pytree such as `kv.PagePool`)."""
+    if not isinstance(x, cls):
+        raise TypeError(f"{name} must be a {cls.__name__}; got {type(x).__name__}")
+
+
 def check_integer(name: str, x) -> None:
     """Raise TypeError unless `x` is an integer array."""
     if not jnp.issubdtype(x.dtype, jnp.integer):

@@ -90,10 +90,8 @@ def create_allocator(*, num_kv_heads: int, num_pages: int) -> PageAllocator:
 
 
 def _check(allocator: PageAllocator, tables: BlockTables) -> None:
-    if not isinstance(allocator, PageAllocator):
-        raise TypeError(f"allocator must be a PageAllocator; got {type(allocator).__name__}")
-    if not isinstance(tables, BlockTables):
-        raise TypeError(f"tables must be a BlockTables; got {type(tables).__name__}")
+    v_.check_instance("allocator", allocator, PageAllocator)
+    v_.check_instance("tables", tables, BlockTables)
     if tables.num_kv_heads != allocator.num_kv_heads:
         raise ValueError(f"tables have K={tables.num_kv_heads} heads but the allocator has "
                          f"K={allocator.num_kv_heads}")

@@ -55,19 +55,8 @@ INV_FP8_MAX = float(np.float32(1.0 / FP8_MAX))  # exactly representable in float
 DEFAULT_SUB_BLOCK = 16
 
 
-def _check_float(name: str, x) -> None:
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{name}.dtype={x.dtype} must be floating point")
-
-
-def _check_fp8(name: str, x) -> None:
-    if jnp.dtype(x.dtype) != FP8_DTYPE:
-        raise TypeError(f"{name}.dtype={x.dtype} must be {FP8_DTYPE}")
-
-
 def _token_axis(x, axis: int) -> int:
-    if not isinstance(axis, int) or isinstance(axis, bool):
-        raise TypeError(f"{axis=} must be an int")
+    _checks.check_int("axis", axis)
     if x.ndim < 2 or not -x.ndim <= axis < x.ndim or axis % x.ndim == x.ndim - 1:
         raise ValueError(f"{axis=} must name a token axis before the feature (last) axis of an "
                          f"array of rank >= 2; got shape {x.shape}")
@@ -117,12 +106,11 @@ def quantize(
       TypeError: `x` is not floating point, or is already fp8; `sub_block` or `axis` not an int.
       ValueError: `sub_block` not positive or does not divide the token axis; `axis` invalid.
     """
-    _check_float("x", x)
+    _checks.check_floating("x", x)
     if jnp.dtype(x.dtype).itemsize == 1:
         raise TypeError(f"x.dtype={x.dtype} is already an 8-bit float; dequantize it first")
     axis = _token_axis(x, axis)
-    if not isinstance(sub_block, int) or isinstance(sub_block, bool):
-        raise TypeError(f"{sub_block=} must be an int")
+    _checks.check_int("sub_block", sub_block)
     if sub_block <= 0 or x.shape[axis] % sub_block:
         raise ValueError(f"{sub_block=} must be positive and divide the token axis "
                          f"x.shape[{axis}]={x.shape[axis]}")
@@ -155,11 +143,9 @@ def dequantize(
       TypeError: `q` is not e4m3, `scales` not float32, `dtype` not floating.
       ValueError: `scales` shape inconsistent with `q` or its sub-block not dividing the axis.
     """
-    _check_fp8("q", q)
-    if jnp.dtype(scales.dtype) != jnp.float32:
-        raise TypeError(f"scales.dtype={scales.dtype} must be float32")
-    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-        raise TypeError(f"{dtype=} must be a floating dtype")
+    _checks.check_dtype("q", q, (FP8_DTYPE,))
+    _checks.check_dtype("scales", scales, (jnp.float32,))
+    _checks.check_float_dtype("dtype", dtype)
     axis = _token_axis(q, axis)
     n_sub = scales.shape[axis] if scales.ndim == q.ndim - 1 else 0
     expect = q.shape[:axis] + (n_sub,) + q.shape[axis + 1:-1]
@@ -264,13 +250,11 @@ def quantize_tokens(
       TypeError: dtypes (pages e4m3, scales float32, x float, ids and offsets int32).
       ValueError: shapes inconsistent; an unknown implementation name.
     """
-    _check_fp8("pages", pages)
-    if jnp.dtype(scales.dtype) != jnp.float32:
-        raise TypeError(f"scales.dtype={scales.dtype} must be float32")
-    _check_float("x", x)
-    for name, a in (("page_ids", page_ids), ("offsets", offsets)):
-        if jnp.dtype(a.dtype) != jnp.int32:
-            raise TypeError(f"{name}.dtype={a.dtype} must be int32")
+    _checks.check_dtype("pages", pages, (FP8_DTYPE,))
+    _checks.check_dtype("scales", scales, (jnp.float32,))
+    _checks.check_floating("x", x)
+    _checks.check_dtype("page_ids", page_ids, (jnp.int32,))
+    _checks.check_dtype("offsets", offsets, (jnp.int32,))
     if pages.ndim != 4:
         raise ValueError(f"pages must have shape [K, num_pages, P, H]; got shape {pages.shape}")
     num_kv, num_pages, page, head_dim = pages.shape

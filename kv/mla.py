@@ -60,9 +60,7 @@ def create_latent_pool(
     page_size = v_.check_positive_int("page_size", page_size)
     kv_lora_rank = v_.check_positive_int("kv_lora_rank", kv_lora_rank)
     rope_dim = v_.check_positive_int("rope_dim", rope_dim, minimum=0)
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize == 1:
-        raise TypeError(f"{dtype=} must be a 16- or 32-bit float dtype")
+    dtype = v_.check_float_dtype("dtype", dtype, min_bits=16)
     v_.check_int32_slots("num_pages * page_size", num_pages * page_size)
     return LatentPool(pages=jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), dtype),
                       kv_lora_rank=kv_lora_rank)
@@ -122,8 +120,7 @@ def write_latent(
       TypeError: wrong dtypes.
       ValueError: shapes inconsistent with each other or the pool.
     """
-    if not isinstance(pool, LatentPool):
-        raise TypeError(f"pool must be a LatentPool; got {type(pool).__name__}")
+    v_.check_instance("pool", pool, LatentPool)
     v_.check_floating("c_kv", c_kv)
     v_.check_floating("k_pe", k_pe)
     slot_mapping = jnp.asarray(slot_mapping)
@@ -144,8 +141,7 @@ def write_latent(
 
 def gather_latent(pool: LatentPool, table: Int[Array, "B max_pages"]) -> Float[Array, "B S LR"]:
     """Dense `[B, S, L + R]` latent view, `S = max_pages * P`; -1 entries read the null page."""
-    if not isinstance(pool, LatentPool):
-        raise TypeError(f"pool must be a LatentPool; got {type(pool).__name__}")
+    v_.check_instance("pool", pool, LatentPool)
     v_.check_rank("table", table, 2, "B max_pages")
     v_.check_integer("table", table)
     ok = (table >= 1) & (table < pool.num_pages)

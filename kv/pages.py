@@ -153,9 +153,7 @@ def create_page_pool(
     head_dim = v_.check_positive_int("head_dim", head_dim)
     value_head_dim = head_dim if value_head_dim is None else value_head_dim
     value_head_dim = v_.check_positive_int("value_head_dim", value_head_dim)
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{dtype=} must be a floating dtype")
+    dtype = v_.check_float_dtype("dtype", dtype)
     v_.check_int32_slots("num_pages * page_size", num_pages * page_size)
     is_fp8 = dtype == fp8.FP8_DTYPE
     if not is_fp8 and sub_block is not None:
@@ -202,10 +200,8 @@ def create_block_tables(
 
 
 def _check_pool_tables(pool: PagePool, tables: BlockTables) -> None:
-    if not isinstance(pool, PagePool):
-        raise TypeError(f"pool must be a PagePool; got {type(pool).__name__}")
-    if not isinstance(tables, BlockTables):
-        raise TypeError(f"tables must be a BlockTables; got {type(tables).__name__}")
+    v_.check_instance("pool", pool, PagePool)
+    v_.check_instance("tables", tables, BlockTables)
     if tables.num_kv_heads != pool.num_kv_heads:
         raise ValueError(f"tables have K={tables.num_kv_heads} heads but the pool has "
                          f"K={pool.num_kv_heads}")
@@ -349,9 +345,7 @@ def gather_kv(
     _check_pool_tables(pool, tables)
     if dtype is None:
         dtype = jnp.float32 if pool.is_fp8 else pool.k.dtype
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{dtype=} must be a floating dtype")
+    dtype = v_.check_float_dtype("dtype", dtype)
     batch, num_kv, max_pages = tables.table.shape
     page, _ = _safe_page(tables.table, jnp.bool_(True), pool.num_pages, NULL_PAGE)
     kk = jnp.arange(num_kv, dtype=jnp.int32)[None, :, None]

@@ -93,9 +93,7 @@ def create_slot_pool(
     conv_width = v_.check_positive_int("conv_width", conv_width, minimum=2)
     sizes = [v_.check_positive_int(n, x) for n, x in
              (("num_v_heads", num_v_heads), ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim))]
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{dtype=} must be a floating dtype")
+    dtype = v_.check_float_dtype("dtype", dtype)
     return SlotPool(conv=jnp.zeros((num_slots, conv_dim, conv_width - 1), dtype),
                     ssm=jnp.zeros((num_slots, *sizes), jnp.float32))
 
@@ -148,8 +146,7 @@ def alloc_slots(
       If there are fewer free slots than wanted, nothing changes, every slot is 0 and `ok` is
       False.
     """
-    if not isinstance(allocator, SlotAllocator):
-        raise TypeError(f"allocator must be a SlotAllocator; got {type(allocator).__name__}")
+    v_.check_instance("allocator", allocator, SlotAllocator)
     want = jnp.asarray(want)
     v_.check_bool("want", want)
     v_.check_rank("want", want, 1, "B")
@@ -174,8 +171,7 @@ def free_slots(
     All-or-nothing: `ok` is False and nothing changes if an id is out of range, not owned, or
     listed twice. The state is not zeroed here; `alloc_slots` zeroes it on the next hand-out.
     """
-    if not isinstance(allocator, SlotAllocator):
-        raise TypeError(f"allocator must be a SlotAllocator; got {type(allocator).__name__}")
+    v_.check_instance("allocator", allocator, SlotAllocator)
     slots = jnp.asarray(slots)
     v_.check_integer("slots", slots)
     v_.check_rank("slots", slots, 1, "B")
@@ -210,8 +206,7 @@ def read_slots(
       `(conv [B, conv_dim, W - 1], ssm [B, Nv, H, Hv])`; zeros are selected, not multiplied in,
       so NaN in a slot never leaks into a row that does not own it.
     """
-    if not isinstance(pool, SlotPool):
-        raise TypeError(f"pool must be a SlotPool; got {type(pool).__name__}")
+    v_.check_instance("pool", pool, SlotPool)
     slots = jnp.asarray(slots)
     v_.check_integer("slots", slots)
     v_.check_rank("slots", slots, 1, "B")
@@ -238,8 +233,7 @@ def write_slots(
 
     Two real rows must not share a slot. Donate `pool` when jitting for an in-place update.
     """
-    if not isinstance(pool, SlotPool):
-        raise TypeError(f"pool must be a SlotPool; got {type(pool).__name__}")
+    v_.check_instance("pool", pool, SlotPool)
     slots = jnp.asarray(slots)
     v_.check_integer("slots", slots)
     v_.check_rank("slots", slots, 1, "B")

@@ -77,7 +77,7 @@ def test_errors():
     pool = _pool()
     with pytest.raises(ValueError, match="num_pages=1 must be >= 2"):
         kv.create_latent_pool(num_pages=1, page_size=P, kv_lora_rank=L, rope_dim=R)
-    with pytest.raises(TypeError, match="must be a 16- or 32-bit float dtype"):
+    with pytest.raises(TypeError, match="dtype=float8_e4m3fn must be a floating dtype of at least"):
         kv.create_latent_pool(num_pages=4, page_size=P, kv_lora_rank=L, rope_dim=R,
                               dtype=jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="flat slots would overflow int32"):

@@ -253,6 +253,9 @@ def test_errors():
         kv.write_kv(pool, t, k_new, v_new, zeros, jnp.zeros(2, jnp.int32))
     with pytest.raises(TypeError, match="pool must be a PagePool"):
         kv.write_kv(t, t, k_new, v_new, zeros, zeros)
+    with pytest.raises(TypeError, match="dtype=int32 must be a floating dtype"):
+        kv.create_page_pool(num_kv_heads=K, num_pages=4, page_size=P, head_dim=8,
+                            dtype=jnp.int32)
     with pytest.raises(ValueError, match="axis='tp' is not an axis of the mesh"):
         kv.shard(pool, Mesh(np.array(jax.devices()[:1]), ("kv",)), "tp")
     two = Mesh(np.array(jax.devices()[:1] * 2), ("kv",))  # size 2 only to reach the check
