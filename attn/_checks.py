@@ -57,6 +57,13 @@ def check_float_dtype(name: str, dtype, *, min_bits: int = 8):
     return dtype
 
 
+def check_flag(name: str, value) -> bool:
+    """Raise TypeError unless `value` is a Python (or numpy) bool; return it as a bool."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name}={value!r} must be a bool")
+    return bool(value)
+
+
 def check_instance(name: str, x, cls: type) -> None:
     """Raise TypeError unless `x` is a `cls` (a state pytree such as `kv.PagePool`)."""
     if not isinstance(x, cls):

@@ -33,7 +33,6 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -214,8 +213,7 @@ def _validate(q, k, v, *, causal, scale, window, sinks, implementation) -> dict:
     _checks.check_same("q head dim H", q.shape[-1], "k head dim H", k.shape[-1])
     _checks.check_divisible("num_heads N", q.shape[2], "num_kv_heads K", k.shape[2])
     _checks.check_positive("sequence length S", q.shape[1])
-    if not isinstance(causal, bool | np.bool_):
-        raise TypeError(f"causal={causal!r} must be a bool")
+    _checks.check_flag("causal", causal)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
     scale = _checks.check_scale(scale)

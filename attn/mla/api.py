@@ -69,12 +69,6 @@ def _check_scale(scale, head_dim: int):
     return head_dim**-0.5 if scale is None else scale
 
 
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}={value!r} must be an int")
-    _checks.check_positive(name, int(value))
-
-
 def _check_lengths(name: str, x, batch: int) -> None:
     _checks.check_integer(name, x)
     _checks.check_rank(name, x, 1, "B")
@@ -136,7 +130,7 @@ def split_kv_b(
     """
     for name, value in (("num_heads", num_heads), ("qk_nope_head_dim", qk_nope_head_dim),
                         ("v_head_dim", v_head_dim)):
-        _check_positive_int(name, value)
+        _checks.check_positive_int(name, value)
     _checks.check_rank("kv_b_weight", kv_b_weight, 2, "N*(Dn+Hv) L")
     _checks.check_floating("kv_b_weight", kv_b_weight)
     rows = num_heads * (qk_nope_head_dim + v_head_dim)
@@ -268,8 +262,8 @@ def mla_absorbed_attention(
 def _check_decode_inputs(q_lat, q_pe, latent_pages, block_tables, kv_lengths, kv_lora_rank, scale,
                          latent_scales, num_splits) -> dict:
     """Validate the decode arguments; return them with the scale's default applied."""
-    _check_positive_int("kv_lora_rank", kv_lora_rank)
-    _check_positive_int("num_splits", num_splits)
+    _checks.check_positive_int("kv_lora_rank", kv_lora_rank)
+    _checks.check_positive_int("num_splits", num_splits)
     for name, x, letters in (
         ("q_lat", q_lat, "B N L"), ("q_pe", q_pe, "B N R"),
         ("latent_pages", latent_pages, "num_pages P L+R"),

@@ -109,9 +109,7 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lengths, *, scale, window, s
     _checks.check_int32_addressable("v_pages", v_pages.shape)
     _checks.check_int32_addressable("block_tables token positions (max_pages * P)",
                                     (block_tables.shape[2], page))
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool):
-        raise TypeError(f"{num_splits=} must be an int")
-    _checks.check_positive("num_splits", num_splits)
+    _checks.check_positive_int("num_splits", num_splits)
     scale = _checks.check_scale(scale)
     # Concrete lengths are checked now; traced ones are clamped to [0, max_pages * P] (checked
     # mode: run-time error). Table ids are data: an id outside [0, num_pages) is an absent page.
@@ -298,7 +296,5 @@ def gather_pages(
         "gathered pages", (block_tables.shape[0], block_tables.shape[2]) + pages.shape[::2]
         + pages.shape[3:])
     if dtype is not None:
-        dtype = jnp.dtype(dtype)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(f"dtype={dtype} must be a floating dtype")
+        dtype = _checks.check_float_dtype("dtype", dtype)
     return _gather_xla(pages, block_tables, scales, dtype)

@@ -139,10 +139,9 @@ def xattn_estimate(
     if chunk_size is not None:
         _checks.check_positive("chunk_size", chunk_size)
         _checks.check_divisible("chunk_size", chunk_size, "block_size", block_size)
-    if not isinstance(fp8, (bool, np.bool_)):
-        raise TypeError(f"fp8={fp8!r} must be a bool")
     return dict(q=q, k=k, block_size=block_size, stride=stride, threshold=threshold, norm=norm,
-                chunk_size=chunk_size, q_lengths=q_lengths, kv_lengths=kv_lengths, fp8=bool(fp8))
+                chunk_size=chunk_size, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                fp8=_checks.check_flag("fp8", fp8))
 
 
 def find_blocks(
