@@ -1,10 +1,11 @@
 """Public block-sparse attention with per-head modes: validation once, then the chosen backend.
 
-`block_sparse_attention` has the `xla` reference and a Triton kernel
-(`attn/block_sparse/triton.py`, forward only, its gradient the reference's); `auto` picks the
-kernel on a GPU. Values of traced arguments (modes, lengths, per-head sink / local counts) cannot
-be checked under `jit`; they are checked when concrete, and traced lengths are clamped to
-`[0, T]` / `[0, S]` on every backend (`attn.debug_checks` turns them into run-time errors).
+`block_sparse_attention` has the `xla` reference, a Triton kernel (`attn/block_sparse/triton.py`)
+and a Mosaic GPU forward (`attn/block_sparse/mosaic.py`); both kernels are differentiated by the
+Triton backward (`attn/block_sparse/_triton_bwd.py`). `auto` picks a kernel on a GPU. Values of
+traced arguments (modes, lengths, per-head sink / local counts) cannot be checked under `jit`;
+they are checked when concrete, and traced lengths are clamped to `[0, T]` / `[0, S]` on every
+backend (`attn.debug_checks` turns them into run-time errors).
 """
 
 import jax
@@ -168,15 +169,15 @@ def _triton_config(args):
     return triton.default_config(args["q"].shape[-1], args["v"].shape[-1])
 
 
-# `block_sparse_attention`'s backends, in `auto`'s order of preference on a GPU; the kernels are
-# forward only, so their gradient is the reference's.
+# `block_sparse_attention`'s backends, in `auto`'s order of preference on a GPU; both kernels'
+# gradient is the Triton backward (`triton.differentiable`).
 _BACKENDS = (
     Backend(name="mosaic", run="attn.block_sparse.mosaic:block_sparse_attention",
-            supports="attn.block_sparse.mosaic:supports", backward=lambda args: ["no backward"],
+            supports="attn.block_sparse.mosaic:supports",
             config_type="attn.block_sparse.mosaic:Config",
             default_config="attn.block_sparse.mosaic:default_config"),
     Backend(name="triton", run="attn.block_sparse.triton:block_sparse_attention",
-            supports="attn.block_sparse.triton:supports", backward=lambda args: ["no backward"],
+            supports="attn.block_sparse.triton:supports",
             config_type="attn.block_sparse.triton:Config", default_config=_triton_config,
             tuning_key=lambda args: f"H{args['q'].shape[-1]}-bs{args['block_size']}"),
     Backend(name="xla", run=_attention_xla, platforms=("cpu", "gpu")),
@@ -222,7 +223,7 @@ def block_sparse_attention(
       kv_lengths: `[B]` int32 valid keys per request; keys past it are never read. Default S.
       scale: softmax scale; default `H ** -0.5`.
       implementation: `"xla"`, `"triton"` (`attn/block_sparse/triton.py`: visits only the selected
-        key blocks; differentiable through the reference's VJP), `"mosaic"`
+        key blocks; its gradient the Triton backward, which does too), `"mosaic"`
         (`attn/block_sparse/mosaic.py`: the same on Hopper through Mosaic GPU; T == S, full
         lengths, block 128) or `"auto"` (on a GPU the first of mosaic, triton that takes the
         shapes, XLA where neither does).

@@ -16,8 +16,9 @@ L2), then query tiles (longest lists first), then KV heads, then requests, as th
 
 Supports: `T == S`, full lengths (no `q_lengths` / `kv_lengths` shorter than the arrays),
 `block_size` 128, `H == Hv` in {64, 128}, bf16 / f16, `T` a multiple of 128. `supports` says
-why not for anything else (the public op then runs the Triton kernel). Forward only; the public op
-takes its gradient from the reference, as for the Triton kernel. On a CPU it runs in Pallas's
+why not for anything else (the public op then runs the Triton kernel). Gradients: the Triton
+backward (`attn/block_sparse/_triton_bwd.py`) from this forward's out and lse
+(`triton.differentiable`). On a CPU it runs in Pallas's
 Mosaic GPU interpreter with `Config(interpret=True)` (the tests). NaN: as the dense Mosaic
 forward, a non-finite value in a masked (diagonal) step still reaches the rows of the step that
 do not see it (issue 20; `attn/dense/mosaic.py` says why); the Triton kernel does not leak.
@@ -34,7 +35,7 @@ import numpy as np
 from jax import lax
 
 from attn import _checks
-from attn.block_sparse import reference
+from attn.block_sparse import reference, triton
 from attn.block_sparse.triton import block_lists
 from attn.dense import mosaic as dense_mosaic
 
@@ -103,25 +104,34 @@ def _launch(q, k, v, blocks, count, whole, *, scale: float, interpret: bool):
         grid_names=("programs", "batch"), scale=scale, config=config)
 
 
+def _forward(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len, *,
+             block_size, scale, interpret):
+    t = q.shape[1]
+    eff = reference.effective_block_mask(
+        head_mask_type, block_mask, num_q_tokens=t, num_kv_tokens=t, block_size=block_size,
+        sink_blocks=sink_blocks, local_blocks=local_blocks, q_lengths=q_len, kv_lengths=kv_len)
+    blocks, count, whole = block_lists(eff, q_len, kv_len, block_size)
+    return _launch(q, k, v, blocks, count, whole, scale=scale, interpret=interpret)
+
+
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "interpret"))
 def _block_sparse(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, *, block_size,
                   scale, interpret):
     b, t = q.shape[:2]
     lengths = jnp.full((b,), t, jnp.int32)
-    eff = reference.effective_block_mask(
-        head_mask_type, block_mask, num_q_tokens=t, num_kv_tokens=t, block_size=block_size,
-        sink_blocks=sink_blocks, local_blocks=local_blocks, q_lengths=lengths,
-        kv_lengths=lengths)
-    blocks, count, whole = block_lists(eff, lengths, lengths, block_size)
-    return _launch(q, k, v, blocks, count, whole, scale=scale, interpret=interpret)
+    forward = functools.partial(_forward, block_size=block_size, scale=scale,
+                                interpret=interpret)
+    return triton.differentiable(
+        q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, lengths, lengths,
+        forward, block_size, scale, triton.default_config(q.shape[-1], v.shape[-1]))
 
 
 def block_sparse_attention(q, k, v, head_mask_type, block_mask=None, *, block_size=128,
                            sink_blocks=1, local_blocks=16, q_lengths=None, kv_lengths=None,
                            scale=None, config: Config | None = None):
-    """Block-sparse prefill through the Mosaic GPU kernel (forward only); arguments as
-    `attn.block_sparse.block_sparse_attention` (validated there, and `supports` empty), plus
-    `config`. The public op differentiates it through the reference (`attn._op`).
+    """Block-sparse prefill through the Mosaic GPU kernel, differentiable through the Triton
+    backward; arguments as `attn.block_sparse.block_sparse_attention` (validated there, and
+    `supports` empty), plus `config`.
 
     Returns:
       `(out [B, T, N, H] in q's dtype, lse [B, T, N] float32)`.

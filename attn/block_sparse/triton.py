@@ -39,8 +39,9 @@ Query positions: `kv_len - q_len + t` (queries are the last `q_len` of `kv_len` 
 past `q_len` give 0 / -inf.
 
 Supports: any group size, `H` / `Hv` up to 256 (padded and masked), bf16 / f16 / f32, block sizes
-that are powers of two >= 16, `q_len <= kv_len` or not. The kernel is forward only; the public op
-takes its gradient from the reference (`attn._op`, `attn._grad`).
+that are powers of two >= 16, `q_len <= kv_len` or not. Gradients: `differentiable` gives this
+forward (and the Mosaic GPU one) the Triton backward of `attn/block_sparse/_triton_bwd.py`, whose
+work is proportional to the selected blocks too.
 Not supported (`supports` says why; `"auto"` then runs XLA): head dims over 256, block sizes
 under 16.
 """
@@ -56,7 +57,8 @@ import triton.language as tl
 
 from attn import _checks
 from attn._harness import on_gpu, triton_call
-from attn.block_sparse import reference
+from attn._op import device_facts
+from attn.block_sparse import _triton_bwd, reference
 from attn.dense._flash_tiles import _load, _masked_softmax_step, _whole_softmax_step
 
 LOG2E = math.log2(math.e)
@@ -78,9 +80,23 @@ class Config:
     # Programs ordered KV head by KV head (siblings fastest); False: heads fastest (the module
     # docstring says why and what it measured).
     kv_head_major: bool = True
+    # The backward (`_triton_bwd.py`): dQ walks `dq_block_n` keys a step over `dq_block_m`
+    # queries; dK / dV walks `dkv_block_m` queries a step over `dkv_block_n` keys.
+    dq_block_m: int = 64
+    dq_block_n: int = 64
+    dq_num_warps: int = 8
+    dq_num_stages: int = 2
+    dkv_block_m: int = 64
+    dkv_block_n: int = 64
+    dkv_num_warps: int = 8
+    dkv_num_stages: int = 2
 
     def __post_init__(self):
-        _checks.check_launch_config(self, tiles=("block_m", "block_n"))
+        _checks.check_launch_config(
+            self, tiles=("block_m", "block_n", "dq_block_m", "dq_block_n", "dkv_block_m",
+                         "dkv_block_n"),
+            warps=("num_warps", "dq_num_warps", "dkv_num_warps"),
+            stages=("num_stages", "dq_num_stages", "dkv_num_stages"))
 
 
 def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
@@ -90,7 +106,8 @@ def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
     take 32-key steps and 2 stages, as dense does, so the K / V stages fit in shared memory.
     `python -m experiments.tools.sweep block_sparse_prefill` times alternatives."""
     if max(head_dim, value_head_dim or head_dim) > 128:
-        return Config(block_m=128, block_n=32, num_stages=2)
+        return Config(block_m=128, block_n=32, num_stages=2, dq_block_n=32, dkv_block_m=32,
+                      dkv_block_n=32)
     return Config()
 
 
@@ -379,31 +396,85 @@ def _launch(q, k, v, blocks, count, whole, q_lengths, kv_lengths, *, scale, bloc
     )
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "scale", "config"))
-def _block_sparse(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_lengths,
-                  kv_lengths, *, block_size, scale, config):
-    b, t = q.shape[:2]
-    s = k.shape[1]
-    # Lengths clamped to [0, T] / [0, S] before the block lists are built, as the reference does.
+def clamped_lengths(q_lengths, kv_lengths, b: int, t: int, s: int):
+    """`[B]` int32 lengths clamped to `[0, T]` / `[0, S]` (None: full), as the reference does."""
     q_len = jnp.clip(jnp.broadcast_to(
         jnp.asarray(t if q_lengths is None else q_lengths, jnp.int32), (b,)), 0, t)
     kv_len = jnp.clip(jnp.broadcast_to(
         jnp.asarray(s if kv_lengths is None else kv_lengths, jnp.int32), (b,)), 0, s)
+    return q_len, kv_len
+
+
+def _lists(q, k, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len,
+           block_size):
+    """The effective block mask and the forward's lists (`block_lists`)."""
     eff = reference.effective_block_mask(
-        head_mask_type, block_mask, num_q_tokens=t, num_kv_tokens=s, block_size=block_size,
-        sink_blocks=sink_blocks, local_blocks=local_blocks, q_lengths=q_len, kv_lengths=kv_len)
-    blocks, count, whole = block_lists(eff, q_len, kv_len, block_size)
+        head_mask_type, block_mask, num_q_tokens=q.shape[1], num_kv_tokens=k.shape[1],
+        block_size=block_size, sink_blocks=sink_blocks, local_blocks=local_blocks,
+        q_lengths=q_len, kv_lengths=kv_len)
+    return eff, block_lists(eff, q_len, kv_len, block_size)
+
+
+def _forward(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len, *,
+             block_size, scale, config):
+    _, (blocks, count, whole) = _lists(q, k, head_mask_type, block_mask, sink_blocks,
+                                       local_blocks, q_len, kv_len, block_size)
     return _launch(q, k, v, blocks, count, whole, q_len, kv_len, scale=scale,
                    block_size=block_size, config=config)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
+def differentiable(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len,
+                   forward, block_size, scale, config):
+    """`forward(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len)`
+    (this module's kernel or the Mosaic one: `(out, lse)`) with the Triton backward
+    (`_triton_bwd.py`, launched with `config`) as its VJP. Lengths clamped `[B]` int32, counts
+    `[N]` int32."""
+    return forward(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len)
+
+
+def _differentiable_fwd(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len,
+                        kv_len, forward, block_size, scale, config):
+    out, lse = forward(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len,
+                       kv_len)
+    return (out, lse), (q, k, v, out, lse, head_mask_type, block_mask, sink_blocks,
+                        local_blocks, q_len, kv_len)
+
+
+def _differentiable_bwd(forward, block_size, scale, config, res, cotangents):
+    del forward
+    q, k, v, out, lse, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len = res
+    d_out, d_lse = cotangents
+    # The lists are rebuilt rather than kept from the forward: `[B, N, Tb, Sb]` int32 of memory
+    # against a few XLA passes over the block mask.
+    eff, (blocks, count, whole) = _lists(q, k, head_mask_type, block_mask, sink_blocks,
+                                         local_blocks, q_len, kv_len, block_size)
+    dq, dk, dv = _triton_bwd.backward(
+        q, k, v, out, lse, d_out, d_lse, eff, blocks, count, whole, q_len, kv_len,
+        block_size=block_size, scale=scale, config=config, num_sms=device_facts().num_sms)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "config"))
+def _block_sparse(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_lengths,
+                  kv_lengths, *, block_size, scale, config):
+    b, t = q.shape[:2]
+    q_len, kv_len = clamped_lengths(q_lengths, kv_lengths, b, t, k.shape[1])
+    forward = functools.partial(_forward, block_size=block_size, scale=scale, config=config)
+    return differentiable(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len,
+                          kv_len, forward, block_size, scale, config)
 
 
 def block_sparse_attention(q, k, v, head_mask_type, block_mask=None, *, block_size=128,
                            sink_blocks=1, local_blocks=16, q_lengths=None, kv_lengths=None,
                            scale=None, config: Config | None = None):
-    """Block-sparse prefill through the kernel (forward only); arguments as
-    `attn.block_sparse.block_sparse_attention` (validated there, and `supports` empty;
-    `sink_blocks` / `local_blocks` ints or `[N]` int32), plus `config` (default:
-    `default_config`). The public op differentiates it through the reference (`attn._op`).
+    """Block-sparse prefill through the kernel, differentiable through the Triton backward
+    (`_triton_bwd.py`); arguments as `attn.block_sparse.block_sparse_attention` (validated
+    there, and `supports` empty; `sink_blocks` / `local_blocks` ints or `[N]` int32), plus
+    `config` (default: `default_config`).
 
     Returns:
       `(out [B, T, N, Hv] in q's dtype, lse [B, T, N] float32)`.
