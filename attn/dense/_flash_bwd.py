@@ -310,20 +310,24 @@ def _flash_bwd_dkdv_kernel(
 
 def backward(q, k, v, out, lse, d_out, d_lse, q_offset, window, sinks, kv_lengths, *, causal,
               scale, config):
-    """dQ, dK, dV. `d_lse` enters through `delta` (d lse / d score = p, as d out does)."""
+    """dQ, dK, dV. `d_lse` enters through `delta` (d lse / d score = p, as d out does).
+
+    Deterministic: each gradient row is summed by one program in a fixed order (no atomics)."""
     dims = _shapes(q, k, v)
     b, t, _, _ = q.shape
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
     args = (q, k, v, d_out.astype(q.dtype), lse, delta, q_offset, kv_lengths, window, sinks)
-    num_m = triton.cdiv(t * dims["G"], config.bwd_block_m)
     launch = dict(num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages, SCALE=scale,
-                  CAUSAL=causal, BLOCK_M=config.bwd_block_m, BLOCK_N=config.bwd_block_n, **dims)
+                  CAUSAL=causal, **dims)
+    num_m = triton.cdiv(t * dims["G"], config.dq_block_m)
     dq = triton_call(*args, kernel=_flash_bwd_dq_kernel,
                      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-                     grid=(num_m * b * dims["K"],), NUM_M=num_m, **launch)
-    num_n = triton.cdiv(dims["S"], config.bwd_block_n)
+                     grid=(num_m * b * dims["K"],), NUM_M=num_m, BLOCK_M=config.dq_block_m,
+                     BLOCK_N=config.dq_block_n, **launch)
+    num_n = triton.cdiv(dims["S"], config.dkv_block_n)
     dk, dv = triton_call(*args, kernel=_flash_bwd_dkdv_kernel,
                          out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
                                     jax.ShapeDtypeStruct(v.shape, v.dtype)),
-                         grid=(num_n * b * dims["K"],), **launch)
+                         grid=(num_n * b * dims["K"],), BLOCK_M=config.dkv_block_m,
+                         BLOCK_N=config.dkv_block_n, **launch)
     return dq, dk, dv

@@ -65,17 +65,19 @@ _MAX_HEAD_DIM = 256
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """Launch configuration of the forward (`block_m` rows x `block_n` keys per step) and of the
-    two backward kernels (`bwd_*`: dQ walks `bwd_block_n` keys per step over `bwd_block_m` rows,
-    dK / dV walks `bwd_block_m` rows per step over `bwd_block_n` keys)."""
+    two backward kernels: dQ (`dq_block_m` rows a program, `dq_block_n` keys a step) and dK / dV
+    (`dkv_block_n` keys a program, `dkv_block_m` rows a step)."""
 
     block_m: int = 128
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 3
-    bwd_block_m: int = 64
-    bwd_block_n: int = 64
+    dkv_block_m: int = 64
+    dkv_block_n: int = 128
+    dq_block_m: int = 128
+    dq_block_n: int = 64
     bwd_num_warps: int = 8
-    bwd_num_stages: int = 2
+    bwd_num_stages: int = 3
     # The unmasked key loop as `tl.range(..., warp_specialize=True)`: Triton's Hopper pass splits
     # it into producer (loads) and consumer (dots, softmax) warp groups. Applies with >= 8 warps
     # only (Triton 3.6 does not compile it with 4). `warp_specialize_masked`: the masked loops too.
@@ -84,21 +86,24 @@ class Config:
 
     def __post_init__(self):
         _checks.check_launch_config(
-            self, tiles=("block_m", "block_n", "bwd_block_m", "bwd_block_n"),
+            self, tiles=("block_m", "block_n", "dkv_block_m", "dkv_block_n", "dq_block_m",
+                          "dq_block_n"),
             warps=("num_warps", "bwd_num_warps"), stages=("num_stages", "bwd_num_stages"))
 
 
 def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
     """Tiles for Hopper bf16 at H <= 128: forward 128 rows x 128 keys, 8 warps, 3 stages, the
     unmasked key loop warp-specialised (H100, causal N32/K8 H128 S16K: 4.09 ms, 0.91x cuDNN;
-    128 x 64 tiles unspecialised 4.53 ms). Backward 64 x 64, 8 warps, 2 stages (4 warps spill in
-    dK / dV). Wide heads (> 128) take 32-key tiles and 2 stages, unspecialised, so the K/V stages
-    fit in shared memory. `python -m experiments.tools.sweep flash_prefill` (`flash_prefill_bwd`)
+    128 x 64 tiles unspecialised 4.53 ms). Backward: dQ 128 rows x 64 keys a step, dK / dV 128
+    keys x 64 rows a step, 8 warps, 3 stages (causal N32/K8 H128 S8K: 3.58 ms, 538 TFLOP/s of
+    the 7 matmuls a score tile it runs; 4 warps spill). Wide heads (> 128) take 32-key tiles
+    and 2 stages, unspecialised, so the K/V stages fit in shared memory. `python -m experiments.tools.sweep flash_prefill` (`flash_prefill_bwd`)
     times alternatives."""
     width = max(head_dim, value_head_dim or head_dim)
     if width > 128:
-        return Config(block_m=128, block_n=32, num_warps=8, num_stages=2, bwd_block_m=32,
-                      bwd_block_n=32, warp_specialize=False)
+        return Config(block_m=128, block_n=32, num_warps=8, num_stages=2, dkv_block_m=32,
+                      dkv_block_n=32, dq_block_m=32, dq_block_n=32, bwd_num_stages=2,
+                      warp_specialize=False)
     return Config()
 
 

@@ -114,7 +114,8 @@ def test_triton_gradients_ignore_unseen_nan():
     gen = rng()
     d_out = randn(gen, q.shape[:3] + (v.shape[-1],))
     d_lse = randn(gen, q.shape[:3])
-    config = triton_kernel.Config(block_m=32, block_n=16, bwd_block_m=16, bwd_block_n=32)
+    config = triton_kernel.Config(block_m=32, block_n=16, dkv_block_m=16, dkv_block_n=32,
+                                  dq_block_m=32, dq_block_n=16)
 
     def loss(fn):
         def f(q, k, v):

@@ -134,7 +134,8 @@ def test_gradients_match_reference(name):
     q, k, v = _qkv(gen, **shape)
     d_out = randn(gen, q.shape[:3] + (v.shape[-1],))
     d_lse = randn(gen, q.shape[:3])
-    config = kernel.Config(block_m=32, block_n=16, bwd_block_m=16, bwd_block_n=32)
+    config = kernel.Config(block_m=32, block_n=16, dkv_block_m=16, dkv_block_n=32, dq_block_m=32,
+                           dq_block_n=16)
 
     def loss(fn):
         def f(q, k, v):
@@ -182,14 +183,14 @@ _AOT = textwrap.dedent("""
                 PRECISION="tf32", CAUSAL=True)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     num_m = triton.cdiv(8192 * 4, cfg.block_m)
-    num_m_bwd = triton.cdiv(8192 * 4, cfg.bwd_block_m)
+    num_m_bwd = triton.cdiv(8192 * 4, cfg.dq_block_m)
     fwd = dict(SCALE_LOG2=0.13, NUM_M=num_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAP=0.0)
-    bwd = dict(SCALE=0.09, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n)
+    dq = dict(SCALE=0.09, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, NUM_M=num_m_bwd)
+    dkv = dict(SCALE=0.09, BLOCK_M=cfg.dkv_block_m, BLOCK_N=cfg.dkv_block_n)
     for kernel, consts, warps, stages in (
             (kt._flash_fwd_kernel, fwd, cfg.num_warps, cfg.num_stages),
-            (kb._flash_bwd_dq_kernel, bwd | dict(NUM_M=num_m_bwd), cfg.bwd_num_warps,
-             cfg.bwd_num_stages),
-            (kb._flash_bwd_dkdv_kernel, bwd, cfg.bwd_num_warps, cfg.bwd_num_stages)):
+            (kb._flash_bwd_dq_kernel, dq, cfg.bwd_num_warps, cfg.bwd_num_stages),
+            (kb._flash_bwd_dkdv_kernel, dkv, cfg.bwd_num_warps, cfg.bwd_num_stages)):
         consts = consts | dims
         names = kernel.arg_names
         types = {n: "*i32" for n in names if n.startswith(("offset", "len", "window", "sink"))}
@@ -208,19 +209,23 @@ _AOT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_kernels_compile_for_sm90_without_spills():
+def test_kernels_compile_for_sm90_within_spill_limits():
     """Compile the three kernels for Hopper on any machine (no GPU needed): the default tiles use
-    wgmma and spill no registers (ptxas -v)."""
+    wgmma and spill no registers, but for a few bytes in dK / dV (ptxas -v)."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     out = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True,
                          check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
                              os.path.abspath(__file__))))).stdout
     lines = [line for line in out.splitlines() if line.startswith("_flash_")]
     assert len(lines) == 3, out
+    # dK / dV at 64 rows x 128 keys, 3 stages, holds two 128 x 128 f32 accumulators and spills a
+    # few bytes; it still outruns the spill-free 32-row tiles (`default_config`).
+    spill_limit = {"_flash_fwd_kernel": 0, "_flash_bwd_dq_kernel": 0, "_flash_bwd_dkdv_kernel": 64}
     for line in lines:
         name, wgmma = line.split()[:2]
         assert int(wgmma) > 0, f"{name}: no wgmma"
-        assert re.search(r"\b0 bytes spill stores", line), line
+        spilled = int(re.search(r"\b(\d+) bytes spill stores", line).group(1))
+        assert spilled <= spill_limit[name], line
 
 
 # GPU: realistic shapes, bf16 kernel vs the reference on float32-upcast inputs.
@@ -318,12 +323,12 @@ def test_gpu_gradients_match_reference(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["64-64-8-2", "64-64-4-2", "32-64-4-2", "64-128-8-2",
-                                 "32-128-4-2", "64-32-4-3"])
+@pytest.mark.parametrize("cfg", ["128-64-64-128-8-3", "128-64-32-128-8-3", "64-64-64-64-8-2",
+                                 "64-32-32-64-4-2", "128-128-128-128-8-2"])
 def test_gpu_backward_configs_are_correct(cfg):
-    bm, bn, warps, stages = (int(x) for x in cfg.split("-"))
-    config = kernel.Config(bwd_block_m=bm, bwd_block_n=bn, bwd_num_warps=warps,
-                           bwd_num_stages=stages)
+    qm, qn, km, kn, warps, stages = (int(x) for x in cfg.split("-"))
+    config = kernel.Config(dq_block_m=qm, dq_block_n=qn, dkv_block_m=km, dkv_block_n=kn,
+                           bwd_num_warps=warps, bwd_num_stages=stages)
     gen = rng()
     q, k, v = _qkv(gen, b=1, t=1000, s=1536, kh=4, g=4, h=128, hv=128, dtype=jnp.bfloat16)
     d_out = randn(gen, q.shape, jnp.bfloat16)
