@@ -18,6 +18,16 @@ causal self-attention unless said.
   (PERF.md, estimation <= 20% of the total): `fraction_of_total = ms / (ms + sparse_ms) <= 0.2`,
   `sparse_ms` the block-sparse time at density `density` at that S (shared with the
   `block_sparse_prefill` group, or measured here).
+- `block_sparse_fwd_bwd`: forward + backward (`jax.grad` of `sum(out * dO)`) at each S of
+  `seqs` (32K, 64K), every head in mode 1 with the `block_sparse_prefill` mask at density
+  `density` (0.1): ours as `implementation="auto"` trains through it (Mosaic GPU forward on a
+  Hopper GPU, else Triton; the Triton backward either way; the all-Triton time beside it,
+  `triton_ms`), and our forward alone (`fwd_ms`). FLOPs 3.5x the forward's on the visited pairs
+  (FA's count). Anchor: our dense fwd + bwd (`attn.dense.attention`, causal, `jax.grad`) at
+  that S; also cuDNN's dense fwd + bwd (`cudnn_ms`, `ratio_vs_cudnn_x_density = ms / (density *
+  cudnn_ms)`, information). Goal (PERF.md): `ms <= goal_ms = 1.2 * density * dense_ms`.
+  Correctness: at the first S, the gradients with every head in mode 0 (full causal, through the
+  same kernels) against the dense ones (`rel_err_full_vs_dense_d{q,k,v}`).
 - `paged_prefill`: a chunk of `chunk` (2K) queries over a cached prefix of `prefixes` (8K, 32K)
   tokens, pages of `page` (64) tokens scattered at random (per-head tables), through
   `attn.dense.paged_prefill_attention(implementation="triton")`. TFLOP/s on the causally visible
@@ -47,6 +57,7 @@ from attn.paged_decode.reference import gather_pages
 from attn.xattention import triton as xattn_triton
 from attn.xattention import xattn_estimate
 from experiments.bench import core
+from experiments.bench.prefill import cudnn, grad_fn
 from experiments.bench.registry import register
 
 log = logging.getLogger("bench.sparse")
@@ -68,6 +79,19 @@ class BlockSparseArgs:
     # 0.1 is below the forced diagonal + sink blocks at 4-8 blocks a row
     QUICK: ClassVar[dict] = dict(QUICK_HEADS, seqs=(128, 256), full_density_seq=128, block=32,
                                  density=0.4)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSparseBwdArgs:
+    """Forward + backward at S32K / S64K, density 0.1, blocks of 128 (PERF.md)."""
+
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    seqs: tuple[int, ...] = (32768, 65536)
+    density: float = 0.1
+    block: int = 128
+    QUICK: ClassVar[dict] = dict(QUICK_HEADS, seqs=(128,), block=32, density=0.4)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,6 +163,18 @@ def sparse_mask(seed, n, s, bs, density: float):
     return jnp.asarray(mask)
 
 
+def visited(modes, mask, s: int, bs: int) -> tuple[float, float]:
+    """`(density, pairs)` of the effective mask: the fraction of the causal blocks visited, and
+    the visible query-key pairs in them (a diagonal block counts `bs (bs + 1) / 2`)."""
+    n = modes.shape[1]
+    eff = np.asarray(effective_block_mask(modes, mask, num_q_tokens=s, num_kv_tokens=s,
+                                          block_size=bs))
+    tb, sb = eff.shape[-2:]
+    diag = eff[..., np.arange(tb), np.arange(tb)].sum()
+    pairs = float(eff.sum() - diag) * bs * bs + float(diag) * bs * (bs + 1) / 2
+    return float(eff.sum() / (n * sb * (sb + 1) / 2)), pairs
+
+
 def _sparse_case(a, ctx, s: int, density: float, q, k, v) -> dict:
     """Time block-sparse attention at `s` with a mask of about `density`; memoised by `(s,
     density)`. Returns `ms`, `density` (measured), `pairs`, and the output."""
@@ -147,18 +183,14 @@ def _sparse_case(a, ctx, s: int, density: float, q, k, v) -> dict:
     def measure():
         mask = sparse_mask(int(density * 1000) + s, n, s, bs, density)
         modes = jnp.ones((1, n), jnp.int32)
-        eff = np.asarray(effective_block_mask(modes, mask, num_q_tokens=s, num_kv_tokens=s,
-                                              block_size=bs))
-        tb, sb = eff.shape[-2:]
-        diag = eff[..., np.arange(tb), np.arange(tb)].sum()
-        pairs = float(eff.sum() - diag) * bs * bs + float(diag) * bs * (bs + 1) / 2
+        got_density, pairs = visited(modes, mask, s, bs)
         def run(impl):
             return jax.jit(lambda q, k, v, mask: block_sparse_attention(
                 q, k, v, modes, mask, block_size=bs, implementation=impl)[0])
         got = ctx.time_ours(run("triton"), run("mosaic"), q, k, v, mask)
         case = {key: got[key] for key in ("ms", "impl", "triton_ms", "rel_err_triton_vs_mosaic")
                 if key in got}
-        return case | dict(pairs=pairs, density=float(eff.sum() / (n * sb * (sb + 1) / 2)),
+        return case | dict(pairs=pairs, density=got_density,
                            out=got["out"] if density >= 1.0 else None)
     return ctx.once(("sparse", s, density, n, h, bs), measure)
 
@@ -199,6 +231,67 @@ def sparse_rows(a: BlockSparseArgs, ctx: core.Context):
                 anchor_ms=dense_ms, goal="ms <= goal_ms = 1.15 * density * dense_ms",
                 meets_goal=ms <= 1.15 * got * dense_ms, **extra)
         del q, k, v
+
+
+def _sparse_fn(modes, mask, bs: int, impl: str, *, grad: bool = False):
+    """Jitted `(q, k, v) -> out` of block-sparse attention, or with `grad` `(q, k, v, dO) ->
+    (dq, dk, dv)` of `sum(out * dO)`."""
+    def fn(q, k, v):
+        return block_sparse_attention(q, k, v, modes, mask, block_size=bs,
+                                      implementation=impl)[0]
+    return grad_fn(fn) if grad else jax.jit(fn)
+
+
+@register("block_sparse_fwd_bwd", BlockSparseBwdArgs)
+def sparse_bwd_rows(a: BlockSparseBwdArgs, ctx: core.Context):
+    """Block-sparse forward + backward at density ~`density` against our dense fwd + bwd."""
+    n, kh, h, bs = a.heads, a.kv_heads, a.head_dim, a.block
+    for i, s in enumerate(a.seqs):
+        q, k, v = core.qkv(s + 7, 1, s, n, kh, h)
+        d_out = jax.random.normal(jax.random.key(s + 8), q.shape, q.dtype)
+        dense = grad_fn(lambda q, k, v: attention(q, k, v, causal=True)[0])
+        dense_grads = dense(q, k, v, d_out) if i == 0 else None
+        dense_ms = ctx.time(dense, q, k, v, d_out)
+        mask = sparse_mask(int(a.density * 1000) + s, n, s, bs, a.density)
+        modes = jnp.ones((1, n), jnp.int32)
+        density, pairs = visited(modes, mask, s, bs)
+
+        triton_ms = ctx.time(_sparse_fn(modes, mask, bs, "triton", grad=True), q, k, v, d_out)
+        impl, ms, extra = "triton", triton_ms, {"triton_ms": round(triton_ms, 4)}
+        try:
+            ms = ctx.time(_sparse_fn(modes, mask, bs, "mosaic", grad=True), q, k, v, d_out)
+            impl = "mosaic"
+        except NotImplementedError as e:  # Mosaic refuses: the Triton forward is ours
+            extra["mosaic_note"] = core.first_line(e, 300)
+        extra["fwd_ms"] = round(ctx.time(_sparse_fn(modes, mask, bs, impl), q, k, v), 4)
+        if dense_grads is not None:  # every head full: the dense gradients
+            full = _sparse_fn(jnp.zeros((1, n), jnp.int32), None, bs, impl, grad=True)(
+                q, k, v, d_out)
+            extra |= {f"rel_err_full_vs_dense_d{x}": round(core.rel_err(g, r), 5)
+                      for x, g, r in zip("qkv", full, dense_grads, strict=True)}
+            del full, dense_grads
+        if core.on_gpu():
+            for gqa in (True, False):
+                try:
+                    cudnn_ms = ctx.time(grad_fn(cudnn(gqa, is_causal=True)), q, k, v, d_out)
+                except Exception as e:  # an anchor that cannot run is reported, not fatal
+                    log.warning("cuDNN fwd+bwd (gqa=%s): %s", gqa, core.first_line(e))
+                    continue
+                extra |= {"cudnn_ms": round(cudnn_ms, 4),
+                          "ratio_vs_cudnn_x_density": round(ms / (density * cudnn_ms), 4)}
+                break
+        else:
+            extra["cudnn_note"] = "skipped: no GPU"
+        yield core.row(
+            kernel="block_sparse_fwd_bwd",
+            case=f"B1-S{core.kilo(s)}-N{n}-K{kh}-H{h}-bs{bs}-density{density:.2f}-bf16",
+            ms=ms, achieved=3.5 * 4 * h * pairs / ms / 1e9, unit="TFLOP/s",
+            ceiling=ctx.matmul_tflops, anchor="our dense fwd+bwd (causal, attention auto)",
+            anchor_ms=dense_ms, goal="ms <= goal_ms = 1.2 * density * dense_ms",
+            meets_goal=ms <= 1.2 * density * dense_ms, impl=impl, density=round(density, 4),
+            target_density=a.density, goal_ms=round(1.2 * density * dense_ms, 4),
+            ratio_vs_density_x_dense=round(ms / (density * dense_ms), 4), **extra)
+        del q, k, v, d_out
 
 
 @register("xattn_estimate", EstimateArgs)
