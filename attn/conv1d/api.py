@@ -50,8 +50,8 @@ def _triton_conv():
     return kernel.causal_conv1d
 
 
-# The Triton kernels differentiate themselves (prefill: the reference's VJP, `attn._grad`);
-# the update kernels are forward only.
+# The Triton kernels differentiate themselves (prefill: its own backward kernels,
+# `attn/conv1d/_triton_bwd.py`); the update kernels are forward only.
 _PREFILL_BACKENDS = (Backend(name="triton", run=_prefill_triton),
                      Backend(name="xla", run=_prefill_xla, platforms=("cpu", "gpu")))
 _UPDATE_POOL_BACKENDS = (Backend(name="triton", run=_update_pool_triton),

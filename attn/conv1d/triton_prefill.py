@@ -44,7 +44,8 @@ for the exact SiLU everywhere.
 
 Supports: any C and W >= 2 (W padded to a power of two and masked in the state kernel), optional
 bias and initial state, SiLU or none, any float dtype, varlen via `cu_seqlens` (zero-length
-sequences included), gradients (the XLA reference's VJP). Not supported: channels-first inputs.
+sequences included), gradients (`attn.conv1d._triton_bwd`). Not supported: channels-first
+inputs.
 """
 
 import dataclasses
@@ -55,9 +56,8 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from attn._grad import with_reference_gradient
 from attn._harness import on_gpu, triton_call
-from attn.conv1d import reference
+from attn.conv1d import _triton_bwd
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -280,10 +280,12 @@ def _conv_final_state_kernel(
 
 
 def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation=None, cu_seqlens=None,
-                  config: Config | None = None):
+                  config: Config | None = None, bwd_config: _triton_bwd.Config | None = None):
     """Causal conv1d prefill through the kernels; inputs validated by `attn.conv1d.api`.
 
-    Differentiable: the backward is the XLA reference's (the kernels are forward-only).
+    Differentiable: a custom VJP whose backward is `attn.conv1d._triton_bwd` (dx, dweight,
+    dbias, d(initial_state), the final state's cotangent included; the pre-activation is
+    recomputed, nothing but the inputs is kept).
 
     Args:
       x: `[B, T, C]` (`B == 1` with `cu_seqlens`).
@@ -293,20 +295,27 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, activation=None, 
       activation: `"silu"` or None.
       cu_seqlens: `[Ns + 1]` integer boundaries of the packed sequences, or None (`Ns = B`).
       config: launch configuration; None for `Config()`.
+      bwd_config: the backward's launch configuration; None for `_triton_bwd.Config()`.
 
     Returns:
       `(y [B, T, C] in x.dtype, final_state [Ns, C, W - 1] in x.dtype)`.
     """
 
-    def kernel_fn(x, weight, bias, h0, cu):
+    @jax.custom_vjp
+    def conv(x, weight, bias, h0, cu):
         return _forward(x, weight, bias, h0, cu, activation=activation, config=config)
 
-    def reference_fn(x, weight, bias, h0, cu):
-        return reference.causal_conv1d(x, weight, bias, initial_state=h0, activation=activation,
-                                       cu_seqlens=cu)
+    def fwd(x, weight, bias, h0, cu):
+        return conv(x, weight, bias, h0, cu), (x, weight, bias, h0, cu)
 
-    return with_reference_gradient(kernel_fn, reference_fn)(x, weight, bias, initial_state,
-                                                            cu_seqlens)
+    def bwd(residuals, cotangents):
+        dy, dfinal = cotangents
+        grads = _triton_bwd.backward(*residuals, dy, dfinal, activation=activation,
+                                     config=bwd_config)
+        return (*grads, None)
+
+    conv.defvjp(fwd, bwd)
+    return conv(x, weight, bias, initial_state, cu_seqlens)
 
 
 def _forward(x, weight, bias, initial_state, cu_seqlens, *, activation, config):
