@@ -17,6 +17,10 @@
 - `causal_conv1d`: prefill, C = 8192, W4, bf16, SiLU, an initial state; T32K as one sequence and
   packed as 4 (`cu_seqlens`). Bytes: x read + y written (+ states and weight) against the copy
   bandwidth (goal >= 0.9); anchor the XLA reference.
+- `causal_conv1d_bwd` (and `causal_conv1d_fwd_bwd`): the same shapes and packings, cotangents
+  for y and the final state, no bias. Bytes: x and dy read + dx written (the forward adds x read
+  + y written), states and weights; against the copy bandwidth (goal >= 0.85); anchor the XLA
+  reference's `jax.vjp` (its backward recomputes the forward).
 
 Decode timing: one jitted call runs `STEPS` unrolled steps, each step's output the next one's
 input (o → v, y → x) so no step is dead code, and the donated pool is threaded from call to call:
@@ -35,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attn  # noqa: F401  (sets up Triton before its first import)
+from attn.conv1d import _triton_bwd as conv_bwd
 from attn.conv1d import reference as conv_ref
 from attn.conv1d import triton as conv_triton
 from attn.conv1d import triton_prefill as conv_prefill
@@ -339,6 +344,77 @@ def conv_prefill_rows(a: ConvPrefillArgs, ctx: core.Context):
             anchor="xla reference (jit)", anchor_ms=xla_ms,
             goal="fraction_of_ceiling >= 0.9 (x read + y written vs copy bandwidth)",
             meets_goal=tbs / ceiling >= 0.9, bytes=num_bytes, **extra)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConvBwdArgs:
+    """`tokens` in one row, as 1 sequence and packed as each of `seqs`; bf16, SiLU, a state."""
+
+    tokens: int = 32768
+    seqs: tuple[int, ...] = (1, 4)
+    channels: int = 8192
+    width: int = 4
+    QUICK: ClassVar[dict] = dict(tokens=40, seqs=(3,), channels=32)
+
+
+def conv_vjp(conv):
+    """jit of `(x, weight, state, cu_seqlens, dy, dfinal) -> (y, final, dx, dweight, dstate)`:
+    the forward and the pull-back of `conv` (the reference's signature) with SiLU."""
+    def run(x, weight, state, cu, dy, dfinal):
+        out, pull = jax.vjp(lambda *a: conv(a[0], a[1], initial_state=a[2], activation="silu",
+                                            cu_seqlens=cu), x, weight, state)
+        return (*out, *pull((dy, dfinal)))
+    return jax.jit(run)
+
+
+def conv_bwd_step(x, weight, state, cu, dy, dfinal):
+    """Our backward alone: `(dx, dweight, None, dstate)`."""
+    return conv_bwd.backward(x, weight, None, state, cu, dy, dfinal, activation="silu")
+
+
+@register("causal_conv1d_bwd", ConvBwdArgs)
+def conv_bwd_rows(a: ConvBwdArgs, ctx: core.Context):
+    """Causal conv1d backward, and forward + backward, against the copy bandwidth and XLA's."""
+    c, w, t = a.channels, a.width, a.tokens
+    bwd = jax.jit(conv_bwd_step)
+    xla_fwd_bwd = conv_vjp(conv_ref.causal_conv1d)
+    xla_bwd = jax.jit(lambda *a: xla_fwd_bwd(*a)[2:])
+    fwd_bwd = conv_vjp(conv_prefill.causal_conv1d)
+    for seqs in a.seqs:
+        gen = np.random.default_rng(0)
+        x, weight, h0, dy, dfinal = (
+            jnp.asarray(gen.standard_normal(shape, np.float32) * scale, jnp.bfloat16)
+            for shape, scale in (((1, t, c), 1.0), ((c, w), 0.5), ((seqs, c, w - 1), 1.0),
+                                 ((1, t, c), 1.0), ((seqs, c, w - 1), 1.0)))
+        cu = None if seqs == 1 else jnp.asarray(cu_seqlens(t, seqs))
+        args = (x, weight, h0, cu, dy, dfinal)
+        dx, dw, _, ds = bwd(*args)
+        exp = xla_bwd(*args)
+        extra = dict(rel_err_dx_vs_xla=round(core.rel_err(dx, exp[0]), 6),
+                     rel_err_dweight_vs_xla=round(core.rel_err(dw, exp[1]), 6),
+                     rel_err_dstate_vs_xla=round(core.rel_err(ds, exp[2]), 6),
+                     config=str(conv_bwd.Config()))
+        del dx, dw, ds, exp
+        name = f"B1-T{core.kilo(t)}" if seqs == 1 else f"varlen{seqs}-T{core.kilo(t)}"
+        ceiling = ctx.copy_tbs["ceiling"]
+        small = 3 * seqs * c * (w - 1) * 2 + 2 * c * w * 2  # states in / out, weight, dweight
+        for kernel, ours, xla, big, what in (
+                ("causal_conv1d_bwd", bwd, xla_bwd, 3, "x, dy read + dx written"),
+                ("causal_conv1d_fwd_bwd", fwd_bwd, xla_fwd_bwd, 5,
+                 "x read + y written, then x, dy read + dx written")):
+            ms = ctx.time(ours, *args)
+            xla_ms = None
+            try:
+                xla_ms = ctx.time(xla, *args)
+            except Exception as e:  # an anchor that fails is logged, not fatal
+                log.warning("XLA conv reference failed: %s", core.first_line(e))
+            num_bytes = big * t * c * 2 + small
+            yield core.row(
+                kernel=kernel, case=f"{name}-C{c}-W{w}-bf16-silu-state", ms=ms,
+                achieved=num_bytes / ms / 1e9, unit="TB/s", ceiling=ceiling,
+                anchor="xla reference (jit, jax.vjp)", anchor_ms=xla_ms,
+                goal=f"fraction_of_ceiling >= 0.85 ({what} vs copy bandwidth)",
+                meets_goal=num_bytes / ms / 1e9 / ceiling >= 0.85, bytes=num_bytes, **extra)
 
 
 def gdn_flops(b: int, t: int, nv: int, h: int, hv: int, c: int = gdn_chunk.CHUNK) -> float:
