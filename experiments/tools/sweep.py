@@ -27,6 +27,8 @@ import numpy as np
 import attn  # noqa: F401  (sets up Triton before its first import)
 from attn.block_sparse import reference as sparse_ref
 from attn.block_sparse import triton as sparse_triton
+from attn.conv1d import _triton_bwd as conv_bwd
+from attn.conv1d import reference as conv_ref
 from attn.conv1d import triton as conv_triton
 from attn.conv1d import triton_prefill as conv_prefill
 from attn.dense import triton as dense_triton
@@ -213,6 +215,22 @@ def _conv_prefill(a: gdn.ConvPrefillArgs, ctx) -> Iterator[Case]:
                2 * t * c * 2 + 2 * c * (w - 1) * 2 + c * w * 2, "TB/s")
 
 
+def _conv_bwd(a: gdn.ConvBwdArgs, ctx) -> Iterator[Case]:
+    c, w, t = a.channels, a.width, a.tokens
+    gen = np.random.default_rng(0)
+    x, weight, h0, dy, dfinal = (
+        jnp.asarray(gen.standard_normal(shape, np.float32) * scale, jnp.bfloat16)
+        for shape, scale in (((1, t, c), 1.0), ((c, w), 0.5), ((1, c, w - 1), 1.0),
+                             ((1, t, c), 1.0), ((1, c, w - 1), 1.0)))
+    make = lambda cfg: jax.jit(lambda x, wt, s, dy, df: conv_bwd.backward(
+        x, wt, None, s, None, dy, df, activation="silu", config=cfg)[0])
+    xla = gdn.conv_vjp(conv_ref.causal_conv1d)
+    yield Case(f"B1 T{core.kilo(t)} C{c} W{w} backward", conv_bwd.Config(), make,
+               (x, weight, h0, dy, dfinal), 3 * t * c * 2 + 3 * c * (w - 1) * 2 + 2 * c * w * 2,
+               "TB/s", ("xla reference jax.vjp", jax.jit(lambda *a: xla(*a)[2]),
+                        (x, weight, h0, None, dy, dfinal)))
+
+
 def _estimate(a: sparse.EstimateArgs, ctx) -> Iterator[Case]:
     n, kh, h, bs, st = a.heads, a.kv_heads, a.head_dim, a.block, a.stride
     make = lambda cfg: jax.jit(lambda q, k: xattn_triton.xattn_estimate(
@@ -265,6 +283,10 @@ TARGETS = {
         "", "kv_head_major=0", "warp_specialize=1", "block_n=64")),
     "causal_conv1d": Target(gdn.ConvPrefillArgs, _conv_prefill, (
         "", "block_t=16,block_c=1024", "block_t=8,block_c=1024,num_warps=8", "fast_silu=0")),
+    "causal_conv1d_bwd": Target(gdn.ConvBwdArgs, _conv_bwd, (
+        "", "prefetch=0", "chunk_t=256", "chunk_t=1024", "block_t=4", "block_t=4,chunk_t=256",
+        "block_t=16", "block_c=512,num_warps=8", "block_c=128,num_warps=2", "fast_silu=0"),
+        ("", "block_t=4,chunk_t=8,block_c=16")),
     "xattn_estimate": Target(sparse.EstimateArgs, _estimate, (
         "", "fp8=1,block_k=128", "fp8=1,block_k=128,block_c=256")),
 }
