@@ -20,6 +20,14 @@ Routed adapters (`routed = True`, used only by `Engine(elastic=True)`) decide pe
 prefill: in the mixed step their state comes back as `(state, z [B, K])`, and `routed_policy`
 turns one request's decisions into the window and sinks of its later steps.
 
+Tensor parallelism (`Engine(..., mesh=...)`, `models.engine.sharding`): an adapter that can split
+its layer by heads over a mesh axis says so with `tp_heads` (the head counts that must divide the
+axis size) and `tp_specs` (`TPSpecs`: how its inputs, output and block-table rows split); the step
+then runs its `attend` under `shard_map` on this device's heads, with a `ctx` whose table,
+window and sinks hold only those heads. Its state splits by `tp_state_spec` (by default the
+`kv.sharding` rule of the state's type). An adapter without them (`tp_heads` returning None)
+makes the engine refuse a mesh.
+
 `resolve` picks, among the registered adapters whose `matches(mixer)` holds, a routed one first
 for a routed engine, else a non-routed one; the latest registered wins, so a family's adapter for
 its own mixer class takes precedence over a generic one. Adapters are frozen dataclasses built
@@ -35,13 +43,13 @@ from typing import Any, ClassVar
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import kv
 from attn.conv1d import causal_conv1d, causal_conv1d_update_pool
-from attn.dense import paged_prefill_attention
 from attn.gdn import gdn_decode_pool, gdn_prefill_pool
 from attn.mla import absorb_query, expand_output, mla_absorbed_attention, mla_paged_decode
-from attn.paged_decode import paged_decode
+from models.engine.cache import PagedKV, paged_attention
 from models.layers.attention import QKV, AttendSpec, Attention
 from models.layers.gdn import GatedDeltaNet, GDNInputs, GDNSpec, split_qkv
 from models.layers.mla import MLAProjection, MLASpec, MLAttention
@@ -82,6 +90,27 @@ def resolve(model, layer: int, mixer, *, routed: bool) -> MixerAdapter:
 def _xla_or_auto(implementation: str) -> str:
     """Backend of the GDN / MLA ops: `"xla"` if asked for, else their own `"auto"` choice."""
     return "xla" if implementation == "xla" else "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class TPSpecs:
+    """How one layer's `attend` splits over the tensor-parallel mesh axis.
+
+    Attributes:
+      inputs: a `PartitionSpec` pytree matching the layer's inputs (`QKV`, `GDNInputs`, ...).
+      out: `PartitionSpec` of the output `o [B, T, N, Hv]` (split by head).
+      kv_heads: the layer's block-table rows, windows and sinks split by KV head (attention);
+        False: every device holds all of them (MLA's one latent head, GDN without pages).
+    """
+
+    inputs: Any
+    out: P
+    kv_heads: bool
+
+
+def _heads(axis: str, rank: int, dim: int) -> P:
+    """`PartitionSpec` of a rank-`rank` array split over `axis` along `dim`."""
+    return P(*(axis if i == dim else None for i in range(rank)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +179,19 @@ class MixerAdapter(abc.ABC):
         pages are freed by the engine, so paged layers keep their state."""
         return state
 
+    def tp_heads(self, mixer) -> dict[str, int] | None:
+        """Head counts the tensor-parallel axis size must divide (`{"num_kv_heads": 8, ...}`),
+        or None: the layer has no tensor-parallel layout (the engine then refuses a mesh)."""
+        return None
+
+    def tp_specs(self, spec, inputs, axis: str) -> TPSpecs:
+        """How `attend`'s inputs and output split over mesh axis `axis` (see `TPSpecs`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no tensor-parallel layout")
+
+    def tp_state_spec(self, state, axis: str):
+        """`PartitionSpec` pytree of the layer's state: the `kv.sharding` rule of its type."""
+        return kv.partition_specs(state, axis)
+
 
 @register_adapter
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +199,9 @@ class AttentionAdapter(MixerAdapter):
     """Softmax attention (Llama, Qwen3, gated attention) over a `kv.PagePool` `[K, num_pages, P,
     H]`: the layer writes k, v (`kv.write_kv`, quantising for FP8 pools); the mixed step runs
     `paged_prefill_attention` on the pages (`q_offset` = cached length, `[B, K]` windows /
-    sinks), the decode step `paged_decode`. A layer's own window (Qwen3 sliding layers) applies
-    where a policy says full."""
+    sinks), the decode step `paged_decode` (both `models.engine.cache.paged_attention`), or the
+    engine's custom attend on the same `PagedKV`. A layer's own window (Qwen3 sliding layers)
+    applies where a policy says full."""
 
     kind: ClassVar[str] = "attention"
     mixer_types: ClassVar[tuple[type, ...]] = (Attention,)
@@ -179,25 +222,36 @@ class AttentionAdapter(MixerAdapter):
     def configured_policy(self, mixer) -> tuple[int, int]:
         return mixer.cfg.window or 0, mixer.cfg.sinks
 
-    def attend(self, ctx, spec: AttendSpec, qkv: QKV, pool: kv.PagePool):
-        num_kv = pool.num_kv_heads
+    def tp_heads(self, mixer) -> dict[str, int]:
+        return {"num_heads": mixer.cfg.num_heads, "num_kv_heads": mixer.cfg.num_kv_heads}
+
+    def tp_specs(self, spec, qkv: QKV, axis: str) -> TPSpecs:
+        heads = _heads(axis, 4, 2)  # [B, T, N | K, H]
+        gate = None if qkv.gate is None else _heads(axis, 3, 2)  # [B, T, N * H], heads major
+        return TPSpecs(inputs=QKV(heads, heads, heads, gate), out=heads, kv_heads=True)
+
+    def cache(self, ctx, spec: AttendSpec, qkv: QKV, pool: kv.PagePool) -> PagedKV:
+        """Write this step's k, v into the layer's pages; the `PagedKV` an attend reads."""
         lengths = ctx.offsets + ctx.num_new
-        window, sinks = ctx.window[:, spec.layer], ctx.sinks[:, spec.layer]  # [B, K]
-        table = ctx.layer_table(spec.layer, num_kv)  # [B, K, M]
+        table = ctx.layer_table(spec.layer, pool.num_kv_heads)  # [B, K, M]
         zeros = jnp.zeros(table.shape[:2], jnp.int32)
         tables = kv.BlockTables(table=table, extent=zeros, cursor=zeros,
                                 page_size=ctx.page_size)
         pool = kv.write_kv(pool, tables, qkv.k, qkv.v, ctx.offsets, ctx.num_new)
-        if ctx.decode:
-            o, _ = paged_decode(qkv.q[:, 0], pool.k, pool.v, table, lengths, scale=spec.scale,
-                                window=window, sinks=sinks, k_scales=pool.k_scale,
-                                v_scales=pool.v_scale, implementation=ctx.implementation)
-            return o[:, None], pool
-        o, _ = paged_prefill_attention(
-            qkv.q, pool.k, pool.v, table, ctx.offsets, lengths, scale=spec.scale,
-            window=window, sinks=sinks, k_scales=pool.k_scale, v_scales=pool.v_scale,
-            implementation=ctx.implementation)
-        return o, pool
+        return PagedKV(pool=pool, table=table, q_offset=ctx.offsets, kv_lengths=lengths,
+                       window=ctx.window[:, spec.layer], sinks=ctx.sinks[:, spec.layer],
+                       decode=ctx.decode, implementation=ctx.implementation)
+
+    def attend(self, ctx, spec: AttendSpec, qkv: QKV, pool: kv.PagePool):
+        """Write, then the engine's custom attend (`Engine(attend=...)`) if any, else
+        `paged_attention` (paged prefill, or paged decode in the decode step)."""
+        cache = self.cache(ctx, spec, qkv, pool)
+        o, cache = (ctx.custom or paged_attention)(spec, qkv, cache)
+        if not isinstance(cache, PagedKV):
+            raise TypeError(f"layer {spec.layer}: the engine's attend returned "
+                            f"{type(cache).__name__} as its state; it must return the PagedKV "
+                            f"it was given (or one with a new pool)")
+        return o, cache.pool
 
 
 @register_adapter
@@ -224,6 +278,15 @@ class MLAAdapter(MixerAdapter):
 
     def state_bytes(self, state) -> tuple[int, int]:
         return state.page_size * state.pages.shape[-1] * state.pages.dtype.itemsize, 0
+
+    def tp_heads(self, mixer) -> dict[str, int]:
+        return {"num_heads": mixer.cfg.num_heads}
+
+    def tp_specs(self, spec, proj: MLAProjection, axis: str) -> TPSpecs:
+        heads, up = _heads(axis, 4, 2), _heads(axis, 3, 0)  # q [B, T, N, *], w [N, *, L]
+        # The latent (c_kv, k_pe) is one head shared by every query head: whole on every device.
+        return TPSpecs(inputs=MLAProjection(q_nope=heads, q_pe=heads, c_kv=P(), k_pe=P(),
+                                            w_uk=up, w_uv=up), out=heads, kv_heads=False)
 
     def check(self, mixer, *, layer, kv_dtype, model_name) -> None:
         if jnp.dtype(kv_dtype).itemsize == 1:
@@ -273,6 +336,12 @@ class GDNAdapter(MixerAdapter):
     last `W - 1` inputs before the row's `num_new`-th token; padding tokens enter the chunked
     delta rule as zero q / k / v / g / beta, which leaves the state unchanged. The decode step
     runs `causal_conv1d_update_pool` and `gdn_decode_pool`.
+
+    Tensor parallel: the conv runs on every channel on every device (its taps and conv state
+    whole: `[q │ k │ v]` channels would need a split per segment, and the conv is a small part
+    of the layer); each device then keeps its key heads of q, k and its value heads of v
+    (`ctx.local_heads`; value head `h` reads key head `h // r`, so `Nk / tp` key heads serve
+    `Nv / tp` value heads), and runs the delta rule on its value heads of the ssm pool.
     """
 
     kind: ClassVar[str] = "gdn"
@@ -292,6 +361,19 @@ class GDNAdapter(MixerAdapter):
     def reset(self, state, slots):
         return kv.reset_slots(state, slots)
 
+    def tp_heads(self, mixer) -> dict[str, int]:
+        return {"num_k_heads": mixer.cfg.num_k_heads, "num_v_heads": mixer.cfg.num_v_heads}
+
+    def tp_specs(self, spec, inputs: GDNInputs, axis: str) -> TPSpecs:
+        return TPSpecs(inputs=GDNInputs(x=P(), z=_heads(axis, 4, 2), g=_heads(axis, 3, 2),
+                                        beta=_heads(axis, 3, 2), conv_weight=P()),
+                       out=_heads(axis, 4, 2), kv_heads=False)
+
+    @staticmethod
+    def _local(ctx, q, k, v):
+        """This device's key heads of q, k and value heads of v (all of them without a mesh)."""
+        return ctx.local_heads(q, 2), ctx.local_heads(k, 2), ctx.local_heads(v, 2)
+
     def attend(self, ctx, spec: GDNSpec, inputs: GDNInputs, pool: kv.SlotPool):
         impl = _xla_or_auto(ctx.implementation)
         b, t, _ = inputs.x.shape
@@ -302,7 +384,7 @@ class GDNAdapter(MixerAdapter):
             y, conv_pool = causal_conv1d_update_pool(
                 inputs.x[:, 0], pool.conv, slots, inputs.conv_weight, activation="silu",
                 has_initial_state=has_state, implementation=impl)
-            q, k, v = split_qkv(spec, y[:, None])
+            q, k, v = self._local(ctx, *split_qkv(spec, y[:, None]))
             o, ssm_pool = gdn_decode_pool(q, k, v, inputs.g, inputs.beta, pool.ssm, slots,
                                           has_initial_state=has_state, scale=spec.scale,
                                           use_qk_l2norm=True, implementation=impl)
@@ -316,7 +398,7 @@ class GDNAdapter(MixerAdapter):
         xe = jnp.concatenate([jnp.swapaxes(conv0, 1, 2).astype(x.dtype), x], axis=1)
         idx = ctx.num_new[:, None] + jnp.arange(spec.conv_width - 1, dtype=jnp.int32)[None]
         conv = jnp.swapaxes(jnp.take_along_axis(xe, idx[..., None], axis=1), 1, 2)
-        q, k, v = split_qkv(spec, y)
+        q, k, v = self._local(ctx, *split_qkv(spec, y))
         # Padding tokens: zero q / k / v / g / beta leave the recurrent state unchanged.
         q, k, v = (jnp.where(valid[..., None, None], a, jnp.zeros((), a.dtype)) for a in (q, k, v))
         g = jnp.where(valid[..., None], inputs.g, 0.0)
@@ -336,6 +418,7 @@ __all__ = [
     "GDNAdapter",
     "MLAAdapter",
     "MixerAdapter",
+    "TPSpecs",
     "register_adapter",
     "resolve",
 ]

@@ -24,11 +24,23 @@ original prompt is re-prefilled as one routed chunk (the same tokens at offset 0
 decisions), then its generated tokens are fed as ordinary chunks under the re-derived policy,
 so its continuation is the one it would have had without preemption.
 
+A custom attend, `Engine(model, attend=...)`, replaces the attention of every softmax-attention
+layer as `model(ids, attend=...)` does in the full forward: it is called as
+`attend(spec, qkv, cache)` with `cache` the layer's `PagedKV` (pages with this step's k / v
+written, block table, query offsets, key lengths, the policy's windows; see
+`models.engine.cache`) and returns `(o, cache)`; `models.engine.paged_attention` is the
+default. It is a static argument of the jitted steps (hashable; equal attends share them).
+
+Tensor parallelism, `Engine(model, mesh=mesh)`: the step runs under one mesh, every layer and
+its state split by head over `mesh_axis` (`models.engine.sharding`); the host side (scheduler,
+mirror, sampling parameters) is the same, and greedy tokens are those of one device up to the
+rounding of split reductions.
+
 Not done here: paged layers with different KV head counts in one model, models without any paged
 layer, prefix sharing (GDN state would need snapshots at page borders), speculative decoding,
-multi-device sharding of the step, routed prompts longer than one chunk (routing would need the
-pooled keys of the whole prompt before its first chunk attends: a two-pass prefill) and
-request-supplied policies on a routed engine (refused).
+routed prompts longer than one chunk (routing would need the pooled keys of the whole prompt
+before its first chunk attends: a two-pass prefill), request-supplied policies on a routed engine
+(refused), and a routed engine or a custom attend together with `elastic` on a mesh.
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ import numpy as np
 from flax import nnx
 
 import kv
+from models.engine import sharding
 from models.engine.adapters import ADAPTERS, resolve
 from models.engine.requests import Policy, Request, SamplingParams
 from models.engine.scheduler import Scheduler
@@ -72,6 +85,16 @@ class Engine:
         mixed-step chunk with per-request routing; its policy then follows its decisions (see
         the module docstring). Needs a routed adapter for every paged layer, no `policy`, and
         prompts of at most `chunk` tokens.
+      attend: custom attention of the softmax-attention layers, `attend(spec, qkv, cache) ->
+        (o, cache)` over the layer's `PagedKV` (module docstring); hashable. MLA and GDN layers
+        keep their adapters' attention.
+      mesh: a `jax.sharding.Mesh`: tensor parallelism over its axis `mesh_axis` (module
+        docstring; `models.engine.sharding`). The model's weights and the engine's state are
+        placed on it.
+      mesh_axis: the mesh axis heads split over.
+      shard_weights: with a mesh, split the weights by head / column too (Megatron-style); False
+        keeps every weight whole on every device and splits only the KV state and the attention
+        over it.
 
     Attributes:
       adapters: per model layer, its adapter (`models.engine.adapters`).
@@ -85,17 +108,28 @@ class Engine:
       ValueError: a mixer without adapter, paged layers with different KV head counts, no paged
         layer, a setting or default policy an adapter refuses (an FP8 MLA latent, a window on
         MLA), sizes that cannot work, or `elastic=True` for a model with a paged layer that does
-        not route, or with a policy.
+        not route, or with a policy, a mesh or an attend; an attend with `mla_attend` /
+        `gdn_mix`; `mesh_axis` not on the mesh; a head count the mesh axis size does not divide.
+      TypeError: an unhashable attend, a mesh that is not a `jax.sharding.Mesh`.
     """
 
     def __init__(self, model, *, batch_slots: int = 4, max_len: int = 1024, page_size: int = 16,
                  num_pages: int | None = None, chunk: int = 128, kv_dtype=None,
                  policy: Policy | None = None, implementation: str = "auto",
-                 elastic: bool = False):
+                 elastic: bool = False, attend=None, mesh=None, mesh_axis: str = "tp",
+                 shard_weights: bool = True):
         mixers = [layer.mixer for layer in model.layers]
         self.elastic = bool(elastic)
         self.adapters = tuple(resolve(model, i, m, routed=self.elastic)
                               for i, m in enumerate(mixers))
+        self.attend = self._check_attend(attend)
+        self.tp = None if mesh is None else sharding.TensorParallel(
+            mesh, mesh_axis, bool(shard_weights))
+        if self.elastic and (self.tp is not None or attend is not None):
+            raise ValueError("elastic=True runs on one device with the elastic adapters' own "
+                             f"attention; got mesh={mesh!r}, attend={attend!r}")
+        if self.tp is not None:
+            sharding.check_heads(self.adapters, mixers, self.tp)
         for name, value in (("batch_slots", batch_slots), ("max_len", max_len),
                             ("page_size", page_size), ("chunk", chunk)):
             if not isinstance(value, int) or value < 1:
@@ -148,9 +182,13 @@ class Engine:
         sizes = np.asarray([a.state_bytes(p) for a, p in zip(self.adapters, pools)], np.int64)
         self._layer_page_bytes, self._layer_slot_bytes = sizes[:, 0], sizes[:, 1]
         self._graphdef, self._params = nnx.split(model)
+        if self.tp is not None:
+            self.states = self.place_state(self.states)
+            self._params = sharding.place(
+                self._params, sharding.param_specs(self._params, self.tp), self.tp)
         self._step = functools.partial(jit_step, implementation=implementation,
-                                       adapters=self.adapters)
-        self._free = functools.partial(free_rows, adapters=self.adapters)
+                                       adapters=self.adapters, attend=self.attend, tp=self.tp)
+        self._free = functools.partial(free_rows, adapters=self.adapters, tp=self.tp)
         self._unpaged = ~np.isin(np.arange(self.num_layers), self.paged_layers)[:, None]
         self._ids = itertools.count()
         # Step counts and host wall time (dispatch to tokens on the host, compiles included).
@@ -161,6 +199,33 @@ class Engine:
             num_kv_heads=self.num_kv_heads, num_pages=num_pages, page_size=page_size,
             free_rows=self._free_on_device, stats=self.stats)
         self.last_logits = None  # [B, V] float32 next-token logits of the latest step (device)
+
+    @staticmethod
+    def _check_attend(attend):
+        """None, or a hashable callable without the model's MLA / GDN hooks."""
+        if attend is None:
+            return None
+        if not callable(attend):
+            raise TypeError(f"attend={attend!r} must be callable: attend(spec, qkv, cache)")
+        try:
+            hash(attend)
+        except TypeError:
+            raise TypeError(f"attend={attend!r} must be hashable (a frozen dataclass or a "
+                            f"function): it is a static argument of the jitted step") from None
+        hooks = [h for h in ("mla_attend", "gdn_mix") if hasattr(attend, h)]
+        if hooks:
+            raise ValueError(f"attend={attend!r} has {hooks}: the engine's attend replaces "
+                             f"softmax attention over pages only; MLA and GDN layers keep the "
+                             f"engine's own")
+        return attend
+
+    def place_state(self, states: EngineKV) -> EngineKV:
+        """`states` (an `EngineKV` of this engine's layout) placed as the engine keeps it: on
+        the mesh, split by head (`models.engine.sharding`), or unchanged without a mesh."""
+        if self.tp is None:
+            return states
+        specs = sharding.state_specs(self.adapters, *states, self.tp)
+        return EngineKV(*sharding.place(tuple(states), specs, self.tp))
 
     def _check_routed(self, model, mixers, policy) -> None:
         """A routed engine needs every paged layer to route, and no engine policy."""

@@ -11,8 +11,13 @@ token of every row from its last real position (`models.engine.sampling`).
 
 Windows and sinks are data (`[B, L, K]` int32), so requests with different policies share a
 batch and a compilation; nothing is vmapped over rows, which jax-triton's kernels could not be.
-The adapters are a static argument: engines over equal layers share a compilation, and `TRACES`
-counts how often each step was traced.
+The adapters, the custom attend (`Engine(attend=...)`) and the tensor-parallel setting are
+static arguments: engines over equal layers share a compilation, and `TRACES` counts how often
+each step was traced.
+
+Under a mesh (`models.engine.sharding`) the step is one SPMD program: every layer's attend runs
+under `shard_map` on this device's heads, the weights and the state arrive split by head, and
+the new state is constrained to the same layout, so the donated buffers are reused in place.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from flax import nnx
 from jaxtyping import Array, Int
 
 import kv
+from models.engine import sharding
 from models.engine.adapters import MixerAdapter
 from models.engine.sampling import sample
 
@@ -73,6 +79,12 @@ class PagedAttend:
       adapters: static, one per model layer.
       decode: True for the `T = 1` step.
       implementation: attention backend.
+      custom: the engine's custom attend of attention layers (`Engine(attend=...)`), or None.
+      tp: the tensor-parallel setting: each layer's attend runs under `shard_map`
+        (`sharding.sharded_attend`); None inside that `shard_map` and without a mesh.
+      axis: inside the `shard_map`, the mesh axis it splits heads over (`local_heads`).
+      table_layers: model indices of the layers whose heads `table` holds (None: every paged
+        layer; inside the `shard_map`: the calling layer's heads on this device).
     """
 
     offsets: Int[Array, "B"]  # noqa: F821
@@ -84,38 +96,76 @@ class PagedAttend:
     adapters: tuple[MixerAdapter, ...]
     decode: bool = False
     implementation: str = "auto"
+    custom: Any = None
+    tp: sharding.TensorParallel | None = None
+    axis: str | None = None
+    table_layers: tuple[int, ...] | None = None
 
     @property
     def paged(self) -> tuple[int, ...]:
         """Model indices of the paged layers (`p`-th entry: table block `p`)."""
         return tuple(i for i, a in enumerate(self.adapters) if a.paged)
 
+    @property
+    def num_kv_heads(self) -> int:
+        """`K` per paged layer in `table`."""
+        layers = self.paged if self.table_layers is None else self.table_layers
+        return self.table.shape[1] // max(len(layers), 1)
+
     def layer_table(self, layer: int, num_kv: int) -> Int[Array, "B K M"]:
         """The block table `[B, K, M]` of one paged layer."""
-        p = self.paged.index(layer)
+        layers = self.paged if self.table_layers is None else self.table_layers
+        p = layers.index(layer)
         return self.table[:, p * num_kv:(p + 1) * num_kv]
 
+    def local_heads(self, x: Array, dim: int) -> Array:
+        """This device's share of `x`'s head axis `dim` inside the tensor-parallel `shard_map`
+        (device `i` of `D`: heads `[i n / D, (i + 1) n / D)`); `x` itself elsewhere."""
+        if self.axis is None:
+            return x
+        size = x.shape[dim] // jax.lax.axis_size(self.axis)
+        start = jax.lax.axis_index(self.axis) * size
+        return jax.lax.dynamic_slice_in_dim(x, start, size, axis=dim)
+
+    def _attend(self, spec, inputs, state):
+        adapter = self.adapters[spec.layer]
+        if self.tp is not None:
+            return sharding.sharded_attend(self, adapter, spec, inputs, state)
+        return adapter.attend(self, spec, inputs, state)
+
     def __call__(self, spec, qkv, state):
-        return self.adapters[spec.layer].attend(self, spec, qkv, state)
+        return self._attend(spec, qkv, state)
 
     def mla_attend(self, spec, proj, state):
-        return self.adapters[spec.layer].attend(self, spec, proj, state)
+        return self._attend(spec, proj, state)
 
     def gdn_mix(self, spec, inputs, state):
-        return self.adapters[spec.layer].attend(self, spec, inputs, state)
+        return self._attend(spec, inputs, state)
+
+
+def constrain_states(states: EngineKV, adapters, tp: sharding.TensorParallel | None) -> EngineKV:
+    """`states` constrained to the engine's layout under `tp` (unchanged without a mesh)."""
+    if tp is None:
+        return states
+    specs = sharding.state_specs(adapters, *states, tp)
+    return EngineKV(*sharding.constrain(tuple(states), specs, tp))
 
 
 def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds, temperature,
-          top_k, top_p, *, decode, implementation, adapters, counter):
+          top_k, top_p, *, decode, implementation, adapters, counter, attend=None, tp=None):
     counter["decode" if decode else "mixed"] += 1  # trace time only: counts compilations
     model = nnx.merge(graphdef, params)
     pools, tables, allocator = states
     batch = window.shape[0]
     lengths = offsets + num_new
     allocator, tables, _ = kv.alloc_batch(allocator, tables, kv.pages_needed(tables, lengths))
+    if tp is not None:  # the page bookkeeping stays whole on every device (no partitioning)
+        allocator, tables = sharding.constrain(
+            (allocator, tables), jax.tree.map(lambda _: sharding.P(), (allocator, tables)), tp)
     positions = offsets[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
     attend = PagedAttend(offsets, num_new, tables.table, window, sinks, tables.page_size,
-                         adapters, decode=decode, implementation=implementation)
+                         adapters, decode=decode, implementation=implementation, custom=attend,
+                         tp=tp)
     hidden, pools = model.forward(ids, positions, attend=attend, states=pools)
     paged = attend.paged
     decisions = None  # [B, L, K] int32 decisions of routed layers (mixed step), -1 = none
@@ -129,7 +179,7 @@ def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds,
     allocator, tables, _ = kv.recycle(allocator, tables, lengths,
                                       window=window[:, index].reshape(batch, -1),
                                       sinks=sinks[:, index].reshape(batch, -1))
-    states = EngineKV(pools, tables, allocator)
+    states = constrain_states(EngineKV(pools, tables, allocator), adapters, tp)
     last = jnp.clip(num_new - 1, 0, ids.shape[1] - 1)
     h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [B, 1, D]
     logits = model.logits(h)[:, 0]
@@ -139,24 +189,26 @@ def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds,
     return tokens, logits.astype(jnp.float32), states, decisions
 
 
-def _free_rows(states: EngineKV, rows, *, adapters) -> EngineKV:
+def _free_rows(states: EngineKV, rows, *, adapters, tp=None) -> EngineKV:
     """Free the pages of the rows in `rows` (`[B]` bool) and reset their slots (GDN: zeros)."""
     allocator, tables, _ = kv.free_batch(states.allocator, states.tables, rows)
     slots = jnp.where(rows, jnp.arange(rows.shape[0], dtype=jnp.int32) + 1, kv.NULL_SLOT)
     pools = [a.reset(p, slots) for a, p in zip(adapters, states.pools)]
-    return EngineKV(pools, tables, allocator)
+    return constrain_states(EngineKV(pools, tables, allocator), adapters, tp)
 
 
-free_rows = jax.jit(_free_rows, static_argnames="adapters", donate_argnums=0)
+free_rows = jax.jit(_free_rows, static_argnames=("adapters", "tp"), donate_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnums=0,
-                   static_argnames=("decode", "implementation", "adapters"), donate_argnums=2)
-def jit_step(graphdef, params, states, *args, decode, implementation, adapters):
+                   static_argnames=("decode", "implementation", "adapters", "attend", "tp"),
+                   donate_argnums=2)
+def jit_step(graphdef, params, states, *args, decode, implementation, adapters, attend=None,
+             tp=None):
     """The jitted step (donates `states`): `(tokens [B], logits [B, V] float32, states,
     decisions [B, L, K] int32 or None)`."""
     return _step(graphdef, params, states, *args, decode=decode, implementation=implementation,
-                 adapters=adapters, counter=TRACES)
+                 adapters=adapters, counter=TRACES, attend=attend, tp=tp)
 
 
-__all__ = ["TRACES", "EngineKV", "PagedAttend", "free_rows", "jit_step"]
+__all__ = ["TRACES", "EngineKV", "PagedAttend", "constrain_states", "free_rows", "jit_step"]

@@ -1,0 +1,220 @@
+"""Tensor-parallel engine (`Engine(mesh=...)`) against the one-device engine, on 4 CPU devices.
+
+JAX fixes its CPU device count when it starts, so the sharded checks run in one subprocess with
+`--xla_force_host_platform_device_count=4` (this module run as a script: `_worker`); each pytest
+case reads that run's verdict for its own check. A check builds a tiny random model whose head
+counts split over 4 devices, runs the same requests (prompts longer than a chunk, more requests
+than slots, so chunked prefill, mixed prefill / decode steps and slot reuse are all in) through
+a one-device engine and a 4-way tensor-parallel one, and requires identical greedy tokens,
+next-token logits within float32 rounding, the state split by head on the mesh (one device holds
+`K / 4` heads of every page pool, `Nv / 4` of every GDN ssm pool), the page tables equal to the
+host mirror, every page free at the end, and no new compilation for a second batch.
+
+Head counts the mesh axis does not divide raise a ValueError naming the count (also checked in
+the worker: it needs the 4 devices); the in-process tests cover the errors a 1-device mesh shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+NUM_DEVICES = 4
+VOCAB = 256
+SHAPE = dict(batch_slots=2, max_len=64, page_size=8, chunk=16, implementation="xla")
+LENGTHS, MAX_TOKENS = (37, 5, 20), (6, 5, 4)
+LOGIT_TOL = 1e-5  # f32: split reductions reorder sums of ~1e-1 terms (measured ~1e-7)
+
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+_LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+              rms_norm_eps=1e-6, rope_parameters=_ROPE)
+# family -> HF-style config. Layer 1 of Qwen3 slides over 24 positions (layer windows apply);
+# Qwen3-Next: GDN layer (Nk4 / Nv8) with a MoE (4 experts + shared), gated attention layer;
+# DeepSeek-V3: MLA (N4, q LoRA) with a MoE layer.
+CONFIGS = {
+    "llama": ("llama", _LLAMA),
+    "qwen3": ("qwen3", dict(_LLAMA, head_dim=16, use_sliding_window=True, sliding_window=24,
+                            max_window_layers=1)),
+    "qwen3_next": ("qwen3_next", dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=8,
+        num_key_value_heads=4, head_dim=8, max_position_embeddings=512,
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=4, linear_num_value_heads=8, rms_norm_eps=1e-6,
+        rope_parameters=dict(_ROPE, partial_rotary_factor=0.5), intermediate_size=64,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, mlp_only_layers=[1])),
+    "deepseek_v3": ("deepseek_v3", dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        max_position_embeddings=512, rms_norm_eps=1e-6, q_lora_rank=16, n_group=2,
+        topk_group=1, rope_interleave=True, rope_parameters=_ROPE)),
+}
+# name -> (config, shard_weights)
+CASES = {
+    "llama": ("llama", True),
+    "llama-whole-weights": ("llama", False),
+    "qwen3-sliding": ("qwen3", True),
+    "qwen3_next-gdn-moe": ("qwen3_next", True),
+    "deepseek_v3-mla-moe": ("deepseek_v3", True),
+}
+SLOW = {"qwen3-sliding", "llama-whole-weights"}  # their coverage is also in the other cases
+
+
+def build(name: str, seed: int = 0, **overrides):
+    """A random-weight float32 model of `CONFIGS[name]` (no checkpoint). Weights are scaled up
+    from the init's 0.02 so greedy picks are decided by clear logit gaps."""
+    import models.families  # noqa: F401  (registers the families)
+    from models.config import HFConfig
+    from models.convert.registry import get_family
+
+    family, cfg = CONFIGS[name]
+    fam = get_family(family)
+    config = fam.config_from_hf(HFConfig(dict(cfg, **overrides), source=f"test:{name}"))
+    model = fam.model_cls(config, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    graphdef, params = nnx.split(model)
+    params = jax.tree.map(lambda x: x * 4 if x.ndim >= 2 else x, params)
+    return nnx.merge(graphdef, params)
+
+
+def _prompts():
+    gen = np.random.default_rng(3)
+    return [[int(t) for t in gen.integers(0, VOCAB, n)] for n in LENGTHS]
+
+
+def _run(engine):
+    """Every prompt through `engine`; `(outputs, last logits [B, V])`."""
+    from models.engine import Request, SamplingParams
+
+    reqs = [engine.add(Request(p, SamplingParams(max_tokens=m)))
+            for p, m in zip(_prompts(), MAX_TOKENS)]
+    engine.run()
+    return [r.output for r in reqs], np.asarray(engine.last_logits)
+
+
+def _check(name: str) -> None:
+    """One case of `CASES` on the worker's 4 devices; raises AssertionError on a mismatch."""
+    import kv
+    from models import engine as engine_mod
+    from models.engine import Engine
+
+    config, shard_weights = CASES[name]
+    model = build(config)
+    mesh = jax.make_mesh((NUM_DEVICES,), ("tp",))  # explicit axes: the engine uses them as auto
+    one = Engine(model, **SHAPE)
+    tp = Engine(model, mesh=mesh, shard_weights=shard_weights, **SHAPE)
+    want, want_logits = _run(one)
+    got, got_logits = _run(tp)
+    assert got == want, f"{name}: tokens {got} != one device {want}"
+    err = float(np.max(np.abs(got_logits - want_logits)))
+    assert err <= LOGIT_TOL * max(1.0, float(np.max(np.abs(want_logits)))), f"{name}: {err=}"
+    for layer, pool in enumerate(tp.states.pools):
+        local = {kv.PagePool: lambda p: p.k, kv.SlotPool: lambda p: p.ssm}.get(type(pool))
+        if local is None:  # MLA latent: whole on every device
+            assert pool.pages.sharding.is_fully_replicated, f"{name}: layer {layer}"
+            continue
+        full, shard = local(pool).shape, local(pool).addressable_shards[0].data.shape
+        dim = 0 if isinstance(pool, kv.PagePool) else 1
+        assert shard[dim] * NUM_DEVICES == full[dim], f"{name}: layer {layer} {shard} of {full}"
+    q_kernel = next(x for p, x in jax.tree_util.tree_flatten_with_path(tp._params)[0]
+                    if "kernel" in str(p) and ("q_proj" in str(p) or "q_b_proj" in str(p)))
+    assert q_kernel.sharding.is_fully_replicated == (not shard_weights), name
+    tp.check_page_tables()
+    assert not tp.kv_usage()["pages"].any(), f"{name}: pages left after the run"
+    traces = dict(engine_mod.TRACES)
+    again, _ = _run(tp)
+    assert again == want and dict(engine_mod.TRACES) == traces, f"{name}: recompiled or differs"
+
+
+def _check_errors() -> None:
+    """Head counts 4 devices do not divide raise a ValueError naming the value."""
+    from models.engine import Engine
+
+    mesh = jax.make_mesh((NUM_DEVICES,), ("tp",))
+    for overrides, message in (
+            (dict(num_key_value_heads=2), "num_kv_heads=2 is not divisible by the mesh axis "
+                                          "'tp' of size 4"),
+            (dict(num_attention_heads=6, num_key_value_heads=6), "num_heads=6 is not divisible")):
+        model = build("llama", **overrides)
+        try:
+            Engine(model, mesh=mesh, **SHAPE)
+        except ValueError as e:
+            assert message in str(e), str(e)
+        else:
+            raise AssertionError(f"no error for {overrides}")
+
+
+def _worker() -> None:
+    """Subprocess entry: one JSON line `{case: "ok" | error}` plus the device count."""
+    verdicts = {}
+    checks = {name: (lambda n=name: _check(n)) for name in CASES}
+    checks["errors-heads-not-divisible"] = _check_errors
+    only = set(sys.argv[1:])
+    for name, fn in checks.items():
+        if only and name not in only:
+            continue
+        try:
+            fn()
+            verdicts[name] = "ok"
+        except Exception as e:  # reported per case to the pytest process
+            verdicts[name] = f"{type(e).__name__}: {e}"
+    print(json.dumps({"devices": jax.device_count(), "verdicts": verdicts}))
+
+
+def _spawn(names: list[str]) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+        os.environ.get("XLA_FLAGS", "") +
+        f" --xla_force_host_platform_device_count={NUM_DEVICES}").strip())
+    proc = subprocess.run([sys.executable, "-m", "tests.models.test_engine_tp", *names], env=env,
+                          capture_output=True, text=True, timeout=1200,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        pytest.fail(f"worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def sharded_run(request):
+    """One worker for the cases this session selected (slow ones only under `-m slow`)."""
+    names = [item.callspec.params["name"] for item in request.session.items
+             if item.originalname == "test_tensor_parallel_equals_one_device"]
+    return _spawn(names)
+
+
+NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
+         for n in [*CASES, "errors-heads-not-divisible"]]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tensor_parallel_equals_one_device(sharded_run, name):
+    assert sharded_run["devices"] == NUM_DEVICES
+    assert sharded_run["verdicts"][name] == "ok", sharded_run["verdicts"][name]
+
+
+def test_mesh_errors():
+    from jax.sharding import Mesh
+
+    from models.engine import Engine
+
+    model = build("llama")
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    with pytest.raises(ValueError, match="mesh_axis='model' is not an axis of the mesh"):
+        Engine(model, mesh=mesh, mesh_axis="model", **SHAPE)
+    with pytest.raises(TypeError, match="must be a jax.sharding.Mesh"):
+        Engine(model, mesh="tp", **SHAPE)
+
+
+if __name__ == "__main__":
+    _worker()
