@@ -1,4 +1,5 @@
-"""Context-parallel attention: the sequence sharded over a mesh axis (ring and all-gather)."""
+"""Context parallelism: the sequence sharded over a mesh axis: attention (ring and all-gather) and
+Gated DeltaNet (the chunk state passed along the ring)."""
 
 from attn.context_parallel.api import (
     allgather_attention,
@@ -6,6 +7,8 @@ from attn.context_parallel.api import (
     from_zigzag,
     ring_attention,
     ring_attention_local,
+    ring_gdn,
+    ring_gdn_local,
     to_zigzag,
 )
 
@@ -15,5 +18,7 @@ __all__ = [
     "from_zigzag",
     "ring_attention",
     "ring_attention_local",
+    "ring_gdn",
+    "ring_gdn_local",
     "to_zigzag",
 ]

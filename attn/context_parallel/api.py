@@ -16,6 +16,10 @@ return replicated arrays, since explicit sharding types have no rule for the reo
 automatic axis XLA places the reorder. The ring is the default choice: on 4x H100 at S = 512K it
 ran at 0.98x of 4x one GPU, the all-gather at 0.68x (benchmarks/multigpu.json).
 
+`ring_gdn` / `ring_gdn_local` (`gdn.py`) run Gated DeltaNet's chunked delta rule over the same
+kind of sharded sequence, contiguous or in the zig-zag layout, passing the chunk state along
+the ring; they equal `attn.gdn.gdn_chunked` on the whole sequence.
+
 Semantics are `attn.dense.attention`'s on the whole sequence (`reference.attention`): GQA, causal
 or not, window + sinks per KV head (window needs `causal`). Queries and keys are the same
 sequence (self-attention prefill: `q`, `k`, `v` share `S`).
@@ -42,6 +46,7 @@ from attn import _checks
 from attn._op import IMPLEMENTATIONS
 from attn.context_parallel import _layout
 from attn.context_parallel.allgather import allgather_attention_shard
+from attn.context_parallel.gdn import LAYOUTS, ring_gdn_shard
 from attn.context_parallel.ring import ring_attention_shard
 
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -189,6 +194,171 @@ def allgather_attention_local(
     return _local(allgather_attention_shard, q, k, v, axis_name=axis_name, seq_len=seq_len,
                   causal=causal, scale=scale, window=window, sinks=sinks,
                   implementation=implementation)
+
+
+def ring_gdn(
+    q: Float[Array, "B S Nk H"],
+    k: Float[Array, "B S Nk H"],
+    v: Float[Array, "B S Nv Hv"],
+    g: Float[Array, "B S Nv"],
+    beta: Float[Array, "B S Nv"],
+    *,
+    mesh: Mesh,
+    axis_name: str,
+    initial_state: Float[Array, "B Nv H Hv"] | None = None,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    layout: str = "contiguous",
+    implementation: str = "auto",
+) -> tuple[Float[Array, "B S Nv Hv"], Float[Array, "B Nv H Hv"]]:
+    """Chunked gated delta rule with the sequence sharded over `mesh`'s axis `axis_name`, the
+    chunk state passed from device to device (`gdn.py`); equals `attn.gdn.gdn_chunked` on the
+    whole sequence.
+
+    Args:
+      q, k: `[B, S, Nk, H]`; v: `[B, S, Nv, Hv]` (`Nv % Nk == 0`); g, beta: `[B, S, Nv]`
+        float32 log-decay (<= 0) and write strength, in sequence order.
+      mesh: the device mesh; the sequence is sharded over `axis_name`, other axes replicate.
+      axis_name: a name in `mesh.axis_names`.
+      initial_state: `[B, Nv, H, Hv]` state before the sequence (None: zeros).
+      scale, use_qk_l2norm, chunk_size, implementation: each block's `attn.gdn.gdn_chunked`.
+      layout: how the sequence is cut over the devices, `"contiguous"` or `"zigzag"` (the ring
+        attention layout); the result is the same.
+
+    Returns:
+      `(o [B, S, Nv, Hv] in q's dtype, final_state [B, Nv, H, Hv] float32)`.
+
+    Raises:
+      ValueError: wrong ranks or mismatched sizes, `Nv % Nk != 0`, an axis name not in the
+        mesh, an unknown layout or implementation, an initial state of another shape.
+      TypeError: `mesh` not a `jax.sharding.Mesh`.
+    """
+    _check_gdn(q, k, v, g, beta, initial_state, layout, implementation)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh={mesh!r} (type {type(mesh).__name__}) must be a jax.sharding.Mesh")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
+                         f"{tuple(mesh.axis_names)}")
+    if initial_state is None:
+        initial_state = jnp.zeros((v.shape[0], v.shape[2], q.shape[-1], v.shape[-1]),
+                                  jnp.float32)
+    return _ring_gdn(q, k, v, g, beta, initial_state.astype(jnp.float32), mesh=mesh,
+                     axis_name=axis_name, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+                     chunk_size=chunk_size, layout=layout, implementation=implementation)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "mesh", "axis_name", "scale", "use_qk_l2norm", "chunk_size", "layout", "implementation"))
+def _ring_gdn(q, k, v, g, beta, initial_state, *, mesh, axis_name, layout, **options):
+    """Pad, lay out, run `ring_gdn_shard` under `shard_map`, restore the order, drop the
+    padding."""
+    num = mesh.shape[axis_name]
+    seq_len = q.shape[1]
+    unit = num if layout == "contiguous" else 2 * num
+    pad = -(-seq_len // unit) * unit - seq_len
+    explicit = _layout.is_explicit(mesh, axis_name)
+    spec = P(None, axis_name)
+
+    def prepare(x):
+        if explicit:  # reorder a replicated copy: explicit types have no rule for the reshape
+            x = _layout.place(x, mesh, P(), explicit=True)
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        if layout == "zigzag":
+            x = _layout.to_zigzag(x, num)
+        return _layout.place(x, mesh, spec, explicit=explicit)
+
+    def local(q, k, v, g, beta, state):
+        return ring_gdn_shard(q, k, v, g, beta, state, axis_name=axis_name, layout=layout,
+                              seq_len=seq_len, **options)
+
+    out, final = _layout.shard_map(local, mesh=mesh, in_specs=(spec,) * 5 + (P(),),
+                                   out_specs=(spec, P()))(
+        *(prepare(x) for x in (q, k, v, g, beta)), initial_state)
+    if explicit:
+        out = _layout.place(out, mesh, P(), explicit=True)
+    if layout == "zigzag":
+        out = _layout.from_zigzag(out, num)
+    return out[:, :seq_len], final
+
+
+def ring_gdn_local(
+    q: Float[Array, "B T Nk H"],
+    k: Float[Array, "B T Nk H"],
+    v: Float[Array, "B T Nv Hv"],
+    g: Float[Array, "B T Nv"],
+    beta: Float[Array, "B T Nv"],
+    *,
+    axis_name: str,
+    initial_state: Float[Array, "B Nv H Hv"] | None = None,
+    seq_len: int | None = None,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    layout: str = "zigzag",
+    implementation: str = "auto",
+) -> tuple[Float[Array, "B T Nv Hv"], Float[Array, "B Nv H Hv"]]:
+    """`ring_gdn` on this device's block, inside the caller's `shard_map` (a model that keeps
+    its activations in the ring-attention layout calls this with `layout="zigzag"`).
+
+    Args:
+      q, k, v, g, beta: this device's block of `layout` (zigzag: `T` even).
+      axis_name: the `shard_map` axis the sequence is sharded over.
+      initial_state: `[B, Nv, H, Hv]` state before the sequence, the same on every device.
+      seq_len: real length `S <= D * T`; tokens at positions `>= S` are padding and leave the
+        state unchanged (default `D * T`).
+      scale, use_qk_l2norm, chunk_size, layout, implementation: as `ring_gdn`.
+
+    Returns:
+      `(o [B, T, Nv, Hv] for this device's tokens, final_state [B, Nv, H, Hv] float32, the
+      same on every device)`.
+
+    Raises:
+      ValueError: as `ring_gdn`; an odd `T` with the zigzag layout, `seq_len` outside
+        `[1, D * T]`, an `axis_name` not bound by an enclosing `shard_map`.
+    """
+    _check_gdn(q, k, v, g, beta, initial_state, layout, implementation)
+    local = q.shape[1]
+    if layout == "zigzag" and local % 2:
+        raise ValueError(f"local block length T={local} must be even (two chunks of the "
+                         f"zig-zag layout)")
+    try:
+        num = lax.axis_size(axis_name)
+    except NameError as e:
+        raise ValueError(f"axis_name={axis_name!r} is not bound: call inside a shard_map over "
+                         f"that axis") from e
+    if seq_len is None:
+        seq_len = num * local
+    if not isinstance(seq_len, numbers.Integral) or not 1 <= seq_len <= num * local:
+        raise ValueError(f"seq_len={seq_len!r} must be an int in [1, D * T = {num * local}]")
+    if initial_state is None:
+        initial_state = jnp.zeros((v.shape[0], v.shape[2], q.shape[-1], v.shape[-1]),
+                                  jnp.float32)
+    return ring_gdn_shard(q, k, v, g, beta, initial_state.astype(jnp.float32),
+                          axis_name=axis_name, layout=layout, seq_len=int(seq_len), scale=scale,
+                          use_qk_l2norm=bool(use_qk_l2norm), chunk_size=chunk_size,
+                          implementation=implementation)
+
+
+def _check_gdn(q, k, v, g, beta, initial_state, layout, implementation) -> None:
+    _checks.check_rank("q", q, 4, "B, S, Nk, H")
+    _checks.check_rank("k", k, 4, "B, S, Nk, H")
+    _checks.check_rank("v", v, 4, "B, S, Nv, Hv")
+    _checks.check_rank("g", g, 3, "B, S, Nv")
+    _checks.check_rank("beta", beta, 3, "B, S, Nv")
+    _checks.check_same("q.shape", q.shape, "k.shape", k.shape)
+    _checks.check_same("v.shape[:3] (B, S, Nv)", v.shape[:3], "g.shape", g.shape)
+    _checks.check_same("g.shape", g.shape, "beta.shape", beta.shape)
+    _checks.check_same("q.shape[:2] (B, S)", q.shape[:2], "v.shape[:2] (B, S)", v.shape[:2])
+    _checks.check_divisible("num_v_heads Nv", v.shape[2], "num_k_heads Nk", q.shape[2])
+    if layout not in LAYOUTS:
+        raise ValueError(f"{layout=} must be one of {LAYOUTS}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
+    if initial_state is not None:
+        want = (v.shape[0], v.shape[2], q.shape[-1], v.shape[-1])
+        _checks.check_same("initial_state.shape", tuple(initial_state.shape),
+                           "[B, Nv, H, Hv]", want)
 
 
 def _check_layout_length(x, num_shards, axis) -> None:

@@ -33,8 +33,8 @@ Measured (4x H100, causal N32 / K8 H128 bf16, benchmarks/multigpu.json): S = 512
 backward at 1M in 39.1 s. The three `ppermute`s alone take 6 ms at 512K (10 ms at 1M), under 1%
 of the step, so how much of them the compute hides barely matters (about 1 ms at 512K).
 
-Not done here: the window path walks all `D` steps (it skips compute, not transfers), and GDN's
-chunk state is not passed along the ring.
+Not done here: the window path walks all `D` steps (it skips compute, not transfers). GDN layers
+pass their chunk state along the same ring layout in `gdn.py`.
 """
 
 from __future__ import annotations
