@@ -82,7 +82,7 @@ def parse_args(argv=None):
                    help="prompt lengths in tokens, comma separated")
     p.add_argument("--depths", type=float_list, default=[0.5],
                    help="needle depths in [0, 1], comma separated")
-    p.add_argument("--samples", type=positive_int, default=1,
+    p.add_argument("--samples", type=positive_int, default=4,
                    help="samples per (task, length, depth)")
     p.add_argument("--tasks", default="passkey,multikey", help=f"comma list of {TASKS}")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
@@ -92,7 +92,7 @@ def parse_args(argv=None):
                         "/ headwise-trained)")
     p.add_argument("--stream-fraction", type=float_list, default=[0.5],
                    help="fractions of KV heads streaming for headwise-scored / -trained")
-    p.add_argument("--batch", type=positive_int, default=3, help="engine batch slots")
+    p.add_argument("--batch", type=positive_int, default=4, help="engine batch slots")
     p.add_argument("--chunk", type=positive_int, default=256,
                    help="prefill chunk (tokens per step)")
     p.add_argument("--page-size", type=positive_int, default=16)
@@ -194,8 +194,8 @@ def run_policy(engine, policy, samples, tokenizer, max_tokens, bar):
     from models.engine import Request, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, stop_tokens=(tokenizer.eos_token_id,))
-    for key in ("mixed_seconds", "decode_seconds"):
-        engine.stats[key] = 0.0
+    for key in ("mixed_seconds", "decode_seconds", "mixed_steps", "decode_steps"):
+        engine.stats[key] = 0
     reqs = [engine.add(Request(list(s.prompt), params, policy)) for s in samples]
     peak = {r.id: 0 for r in reqs}
     decoding = {r.id: 0 for r in reqs}  # KV held at the request's last step with an output
@@ -219,6 +219,8 @@ def run_policy(engine, policy, samples, tokenizer, max_tokens, bar):
                 kv_decode_bytes=[decoding[r.id] for r in reqs],
                 logp=[first[r.id] for r in reqs], prefill_s=engine.stats["mixed_seconds"],
                 decode_s=engine.stats["decode_seconds"],
+                mixed_steps=engine.stats["mixed_steps"],
+                decode_steps=engine.stats["decode_steps"],
                 preemptions=sum(r.preemptions for r in reqs),
                 streaming=(float(np.mean(sparse)) if sparse
                            else float(np.mean(policy.window > 0))))
@@ -226,7 +228,7 @@ def run_policy(engine, policy, samples, tokenizer, max_tokens, bar):
 
 def main(argv=None):
     args = parse_args(argv)
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     import jax
     import jax.numpy as jnp
     from tqdm import tqdm
@@ -236,6 +238,7 @@ def main(argv=None):
     from models.layers.attention import Attention
 
     model, tokenizer, path = load_model(args.model, args.dtype)
+    load_s = time.perf_counter() - t_start
     # Policies are [L, K] over the model's layers; K of the softmax-attention layers.
     layers = len(model.layers)
     heads = next(m.cfg.num_kv_heads for m in (la.mixer for la in model.layers)
@@ -294,16 +297,21 @@ def main(argv=None):
     n = len(samples)
     timing = {name: dict(prefill_s_per_req=r["prefill_s"] / n, decode_s_per_req=r["decode_s"] / n,
                          setup_s=r["setup_s"], preemptions=r["preemptions"],
+                         mixed_steps=r["mixed_steps"], decode_steps=r["decode_steps"],
                          streaming=r["streaming"])
               for name, r in results.items()}
-    wall = time.perf_counter() - t_start
+    wall, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
+    load = os.getloadavg()[1]  # the host's 5-minute load average (other processes included)
 
     print(_table(rows, timing))
     print(f"\nwall time {wall:.0f} s on {jax.devices()[0].device_kind} "
-          f"({platform.machine()}, {os.cpu_count()} cores)")
+          f"({platform.machine()}, {os.cpu_count()} cores; process CPU time {cpu:.0f} s, "
+          f"load average {load:.1f}); model load {load_s:.0f} s, compiles "
+          f"{sum(t['setup_s'] for t in timing.values()):.0f} s")
     os.makedirs(args.out, exist_ok=True)
     report = dict(
         model=path, device=jax.devices()[0].device_kind, commit=commit(), wall_s=wall,
+        cpu_s=cpu, load_average=load, load_s=load_s,
         args={k: v for k, v in vars(args).items()}, rows=rows, timing=timing,
         samples=[dict(task=s.task, length=s.length, depth=s.depth, answer=s.answer,
                       **{f"{p}_text": results[p]["texts"][i] for p in results})
