@@ -416,9 +416,10 @@ def _plot_runs(axes, report: dict, title: str = "") -> None:
         ax0.step(t, np.asarray(series["pages"]) / s["capacity_pages"], where="post",
                  label=f"{name} ({s['tokens_per_s']:.0f} tok/s)")
         ax1.step(t, series["running"], where="post", label=name)
-    ax0.set(title=f"{title}KV in use (fraction of the same bytes)",
-            xlabel="simulated time (s)", ylabel="pages in use / capacity", ylim=(0, 1.05))
-    ax1.set(title=f"{title}requests running", xlabel="simulated time (s)", ylabel="requests")
+    ax0.set(xlabel="simulated time (s)", ylabel="pages in use / capacity", ylim=(0, 1.05))
+    ax0.set_title(f"{title}KV in use (of the same bytes)", fontsize=9)
+    ax1.set(xlabel="simulated time (s)", ylabel="requests")
+    ax1.set_title(f"{title}requests running", fontsize=9)
     ax0.legend(fontsize=7)
     ax1.legend(fontsize=7)
 
@@ -541,9 +542,9 @@ def render(paths: list[str], out: str) -> dict:
             base = [u for u in rep["summary"].values()
                     if u["config"] == "uniform" and u["admission"] == s["admission"]]
             row = dict(
-                kernel="serve_sim", model=rep["model"], config=s["config"],
+                kernel="serve_sim", model=os.path.basename(rep["model"]), config=s["config"],
                 admission=s["admission"],
-                case=(f"{rep['model']}-{a['requests']}req-P{a['prompt_len']}+-{a['spread']:g}"
+                case=(f"{os.path.basename(rep['model'])}-{a['requests']}req-P{a['prompt_len']}+-{a['spread']:g}"
                       f"-gen{a['max_tokens']}-B{a['batch']}-C{a['chunk']}-pg{a['page_size']}"
                       f"-win{a['window']}+{a['sinks']}-kv{a['kv_fraction']:g}-{a['dtype']}"),
                 device=rep["device"], commit=rep["commit"], **{k: s[k] for k in (
@@ -570,9 +571,15 @@ def render(paths: list[str], out: str) -> dict:
              "`python -m experiments.serve_sim` (its docstring defines every column); "
              "throughput in generated tokens per simulated second, x uniform against the same "
              "run's uniform under the same admission.", ""]
+    verdicts = [f"{r['model']} ({r['admission']}) {r['speedup_vs_anchor']:.3f}x: "
+                f"{'met' if r['meets_goal'] else 'not met'}" for r in rows if "goal" in r]
+    if verdicts:
+        lines += [f"Seed 001's goal, head-wise tokens_per_s >= {GOAL}x uniform's: "
+                  + "; ".join(verdicts) + ".", ""]
     for rep, run_rows in zip(reports, per_run):
         a = rep["args"]
-        lines += [f"## {rep['model']}: {a['requests']} requests, prompts {a['prompt_len']} "
+        lines += [f"## {os.path.basename(rep['model'])}, {' and '.join(a['admission'])} "
+                  f"admission: {a['requests']} requests, prompts {a['prompt_len']} "
                   f"+- {a['spread']:.0%} tokens, {a['max_tokens']} generated, "
                   f"rate {a['rate']:g}/s, "
                   f"{a['batch']} slots, chunk {a['chunk']}, pages of {a['page_size']}, "
@@ -596,10 +603,11 @@ def render(paths: list[str], out: str) -> dict:
                 f"{r['peak_pages'] / r['capacity_pages']:.2f} | {goal} |")
         lines.append("")
     with open(os.path.join(out, "serving.md"), "w") as f:
-        f.write("\n".join(lines))
+        f.write("\n".join(lines).rstrip() + "\n")
     fig, axes = plt.subplots(len(reports), 2, figsize=(12, 3.8 * len(reports)), squeeze=False)
     for ax, rep in zip(axes, reports):
-        _plot_runs(ax, rep, f"{rep['model']}: ")
+        _plot_runs(ax, rep, f"{os.path.basename(rep['model']).removesuffix('.gguf')}, "
+                            f"{' and '.join(rep['args']['admission'])}: ")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "serving.png"), dpi=100)
     plt.close(fig)
