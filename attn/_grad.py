@@ -1,7 +1,7 @@
 """The gradient of forward-only kernels: the VJP of their pure-jnp reference.
 
-The Triton kernels of the dense paged prefill, block-sparse and GDN chunked ops have no backward
-of their own; `with_reference_gradient` keeps those ops differentiable when
+The Triton kernels of the dense paged prefill and block-sparse ops have no backward of their
+own; `with_reference_gradient` keeps those ops differentiable when
 `implementation="auto"` picks the kernels on a GPU.
 """
 

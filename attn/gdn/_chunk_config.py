@@ -1,6 +1,6 @@
 """Launch configuration of the chunked GDN prefill (`attn/gdn/triton_chunk.py`): the frozen
 `Config`, the per-shape heuristic `default_config`, and the grids and constexprs a config gives
-the two kernels.
+the two forward kernels and the backward's (`attn/gdn/_chunk_bwd.py`).
 
 A config chooses launches only (warps, pipeline stages, value-slice width, the order of the
 programs, one intra program per value head or per pair of them); every config computes the same
@@ -43,11 +43,23 @@ class Config:
     # State grid `(slices, Nv, Ns)`: the value slices of a head launch side by side (their re-reads
     # of W, K, Q, P hit L2). Sequences <= 65535.
     state_slice_major: bool = False
+    # Backward (`_chunk_bwd.py`). The saving forward state pass and the reverse one take the state
+    # kernel's slice width, stages and grid order and `bwd_state_warps`; the chunk-parallel
+    # kernels take the intra grid's order and these (8 warps and 16-wide value steps: no register
+    # spills on sm_90a at H = Hv = 128).
+    bwd_state_warps: int = 4
+    dqk_warps: int = 8
+    dqk_block_v: int = 16  # value features per step of dqk_kernel's loop over Hv
+    wy_warps: int = 8
+    dk_warps: int = 4
 
     def __post_init__(self):
         if self.block_hv_state < 16 or self.block_hv_state & (self.block_hv_state - 1):
             raise ValueError(f"block_hv_state={self.block_hv_state} must be a power of two >= 16")
-        for name in ("state_warps", "intra_warps"):
+        if self.dqk_block_v < 16 or self.dqk_block_v & (self.dqk_block_v - 1):
+            raise ValueError(f"dqk_block_v={self.dqk_block_v} must be a power of two >= 16")
+        for name in ("state_warps", "intra_warps", "bwd_state_warps", "dqk_warps", "wy_warps",
+                     "dk_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 1")
@@ -90,8 +102,10 @@ def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1, *,
             if state_smem(h, min(w, max(16, triton.next_power_of_2(hv))), itemsize, s)
             <= facts.shared_memory]
     _, width, stages = min(fits, key=lambda f: (f[0], -f[2], f[1])) if fits else (0, 32, 2)
+    # The backward's state passes hold a second [C, BLOCK_HV] tile (dO or the saved V_new): at
+    # 64-wide slices 4 warps spill on sm_90a, 8 do not.
     return Config(block_hv_state=width, state_warps=4, state_stages=stages, intra_pairs=pairs,
-                  **majors)
+                  bwd_state_warps=8 if width >= 64 else 4, **majors)
 
 
 def intra_grid(config: Config, nv: int, n_chunks: int) -> tuple[int, int]:
@@ -119,3 +133,14 @@ def state_constexprs(config: Config, t_row: int) -> dict:
 
 def state_launch(config: Config) -> dict:
     return dict(num_warps=config.state_warps, num_stages=config.state_stages)
+
+
+def bwd_state_launch(config: Config) -> dict:
+    """The saving forward's and the reverse pass's launch."""
+    return dict(num_warps=config.bwd_state_warps, num_stages=config.state_stages)
+
+
+def bwd_grid(config: Config, nk: int, n_chunks: int) -> tuple[int, int]:
+    """A program per (chunk, key head) of `dqk_kernel` / `dk_kernel`; key heads first with
+    `intra_head_major`."""
+    return (nk, n_chunks) if config.intra_head_major else (n_chunks, nk)

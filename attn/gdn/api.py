@@ -106,7 +106,7 @@ def _decode_pool_xla(*, q, k, v, g, beta, ssm_pool, slot_ids, **args):
     return reference.gdn_decode_pool(q, k, v, g, beta, ssm_pool, slot_ids, **args)
 
 
-# The chunked Triton pipeline differentiates itself (the reference's VJP, `attn._grad`); the
+# The chunked Triton pipeline differentiates itself (its Triton backward, `_chunk_bwd.py`); the
 # decode kernel is forward only.
 _CHUNKED_BACKENDS = (
     Backend(name="triton", run=_chunked(_triton_chunked), supports=_chunk_reasons),

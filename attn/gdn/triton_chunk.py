@@ -24,20 +24,28 @@ intermediates (W, U, P, the normalised keys / queries) in v's dtype and every do
 operands and float32 accumulation; the state carried from chunk to chunk stays float32 in
 registers (rounded to bf16 only as a dot operand).
 
+Gradients (`jax.custom_vjp`): under differentiation the state kernel is
+`_chunk_bwd_state.state_save_kernel`, the same pass that also stores the state entering every
+chunk and `V_new`; the backward (`_chunk_bwd.py`) is a reverse pass over the state's cotangent and
+three chunk-parallel kernels, for q, k, v, g, β and the initial state, with the output's and the
+final state's cotangents, varlen and l2-norm included.
+
 Supports: any B, T, Nk | Nv, H and Hv (padded to powers of two >= 16 and masked), initial and
-final states `[Ns, Nv, H, Hv]` float32, varlen with empty sequences, gradients (the XLA
-reference's VJP). Not supported: chunk sizes other than 64.
+final states `[Ns, Nv, H, Hv]` float32, varlen with empty sequences, first-order gradients. Not
+supported: chunk sizes other than 64.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import triton
 
-from attn._grad import with_reference_gradient
 from attn._harness import triton_call
+from attn.gdn import _chunk_bwd
 from attn.gdn import _chunk_config as cfg
-from attn.gdn import reference
+from attn.gdn._chunk_bwd_state import state_save_kernel
 from attn.gdn._chunk_config import CHUNK, Config, default_config
 from attn.gdn._chunk_intra import intra_kernel, intra_pair_kernel
 from attn.gdn._chunk_state import state_kernel
@@ -50,7 +58,7 @@ def gdn_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2no
                 cu_seqlens=None, config: Config | None = None):
     """Chunked gated delta rule (C = 64) through the kernels; inputs validated by the api.
 
-    Differentiable: the backward is the XLA reference's (`with_reference_gradient`).
+    Differentiable: the backward runs the Triton kernels of `_chunk_bwd.py`.
 
     Args:
       q, k: `[B, T, Nk, H]`; v `[B, T, Nv, Hv]`; g, beta `[B, T, Nv]`.
@@ -63,17 +71,33 @@ def gdn_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2no
     Returns:
       `(o [B, T, Nv, Hv] in q.dtype, final_state [Ns, Nv, H, Hv] float32)`.
     """
-    opts = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
+    scale = None if scale is None else float(scale)
+    return _chunked(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(use_qk_l2norm),
+                    config)
 
-    def kernel_fn(q, k, v, g, beta, h0, cu):
-        return _forward(q, k, v, g, beta, h0, cu, config=config, **opts)
 
-    def reference_fn(q, k, v, g, beta, h0, cu):
-        return reference.gdn_chunked(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
-                                     chunk_size=CHUNK, **opts)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _chunked(q, k, v, g, beta, h0, cu, scale, l2, config):
+    return _forward(q, k, v, g, beta, h0, cu, scale=scale, use_qk_l2norm=l2, config=config)
 
-    return with_reference_gradient(kernel_fn, reference_fn)(q, k, v, g, beta, initial_state,
-                                                            cu_seqlens)
+
+def _chunked_fwd(q, k, v, g, beta, h0, cu, scale, l2, config):
+    out, saved = _forward_saving(q, k, v, g, beta, h0, cu, scale=scale, use_qk_l2norm=l2,
+                                 config=config)
+    return out, (q, k, v, g, beta, h0, cu, saved)
+
+
+def _chunked_bwd(scale, l2, config, res, cotangents):
+    q, k, v, g, beta, h0, cu, saved = res
+    do, dfinal = cotangents
+    pl = plan(q, k, v, g, beta, h0, cu, scale=scale, use_qk_l2norm=l2, config=config)
+    dtypes = dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype, beta=beta.dtype)
+    dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd.backward(pl, saved, do, dfinal, dtypes)
+    return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dg.reshape(g.shape),
+            dbeta.reshape(beta.shape), None if h0 is None else dh0.astype(h0.dtype), None)
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def _forward(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_qk_l2norm, config):
@@ -85,18 +109,27 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_qk_l2nor
     return o.reshape(v.shape), final
 
 
-def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
-           use_qk_l2norm=False, config: Config | None = None):
-    """The pipeline's two kernel launches as separate functions (`_forward` chains them; a
-    profiler can time them one by one).
+def _forward_saving(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_qk_l2norm,
+                    config):
+    """`_forward` with `state_save_kernel`: also returns the backward's residuals."""
+    pl = plan(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
+              use_qk_l2norm=use_qk_l2norm, config=config)
+    x, inter = pl["x"], pl["inter"]
+    extra = (jax.ShapeDtypeStruct((pl["n_chunks"], pl["nv"], pl["h"], pl["hv"]), inter),
+             jax.ShapeDtypeStruct((pl["n_tok"], pl["nv"], pl["hv"]), inter))
+    tables = (x["cstart"], x["clen"])
+    gcum, w, u, kn, p = intra_stage(pl)(x["q2"], x["k2"], x["v2"], x["g2"], x["beta2"], *tables)
+    final, o, hs, vn = state_stage(pl, state_save_kernel, extra, cfg.bwd_state_launch)(
+        kn, w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"], x["q2"], p)
+    saved = dict(gcum=gcum, w=w, kn=kn, p=p, hs=hs, vn=vn)
+    return (o.reshape(v.shape), final), saved
 
-    Returns:
-      `(intra, state, x)`:
-      `intra(q2, k2, v2, g2, beta2, cstart, clen) -> (gcum, w, u, kn, p)`,
-      `state(kn, w, u, gcum, cstart, clen, sfirst, scount, h0, q2, p) -> (final, o [B·T, Nv, Hv])`,
-      and `x` the flattened inputs and chunk tables by those names. With l2-norm `kn` is
-      `[2·B·T, Nk, H]`: the normalised keys, then the normalised and scaled queries (the state
-      kernel reads its queries there, not from `q2`); without, `kn` is `k2` itself.
+
+def plan(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
+         use_qk_l2norm=False, config: Config | None = None) -> dict:
+    """What every launch of the pipeline, forward and backward, shares: shapes, dtypes, the
+    config (`default_config` where None), the chunk tables and the flattened inputs `x`
+    (`q2, k2, v2, g2, beta2, cstart, clen, sfirst, scount, h0`).
 
     Raises:
       ValueError: a head-major grid over more than 65535 chunks / sequences, or `intra_pairs`
@@ -122,8 +155,6 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
     block_h = max(16, triton.next_power_of_2(h))
     block_hv = max(16, triton.next_power_of_2(hv))
     l2 = bool(use_qk_l2norm)  # the intra kernel stores the normalised keys and scaled queries
-    qn_off = n_tok * nk * h if l2 else 0
-    common = dict(F32=f32, NK=nk, NV=nv, H=h, HV=hv, BLOCK_H=block_h, BT=CHUNK, SCALE=float(scale))
     if config.intra_head_major and n_chunks > cfg.GRID_YZ_MAX:
         raise ValueError(f"intra_head_major: {n_chunks} chunks > 65535 (the grid's y limit)")
     if config.state_slice_major and n_seq > cfg.GRID_YZ_MAX:
@@ -131,6 +162,40 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
     if config.intra_pairs and (nv % nk or (nv // nk) % 2):
         raise ValueError(f"intra_pairs needs an even number of value heads per key head: "
                          f"Nv={nv}, Nk={nk} (Nv // Nk = {nv // nk})")
+    return dict(
+        x=x, config=config, n_tok=n_tok, n_seq=n_seq, n_chunks=n_chunks, nk=nk, nv=nv, h=h, hv=hv,
+        inter=inter, out_dtype=q.dtype, has_init=has_init, l2=l2,
+        qn_off=n_tok * nk * h if l2 else 0, block_h=block_h, block_hv=block_hv,
+        t_row=t if cu_seqlens is None else 0,
+        common=dict(F32=f32, NK=nk, NV=nv, H=h, HV=hv, BLOCK_H=block_h, BT=CHUNK,
+                    SCALE=float(scale)))
+
+
+def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
+           use_qk_l2norm=False, config: Config | None = None):
+    """The pipeline's two kernel launches as separate functions (`_forward` chains them; a
+    profiler can time them one by one).
+
+    Returns:
+      `(intra, state, x)`:
+      `intra(q2, k2, v2, g2, beta2, cstart, clen) -> (gcum, w, u, kn, p)`,
+      `state(kn, w, u, gcum, cstart, clen, sfirst, scount, h0, q2, p) -> (final, o [B·T, Nv, Hv])`,
+      and `x` the flattened inputs and chunk tables by those names. With l2-norm `kn` is
+      `[2·B·T, Nk, H]`: the normalised keys, then the normalised and scaled queries (the state
+      kernel reads its queries there, not from `q2`); without, `kn` is `k2` itself.
+
+    Raises:
+      ValueError: as `plan`.
+    """
+    pl = plan(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
+              use_qk_l2norm=use_qk_l2norm, config=config)
+    return intra_stage(pl), state_stage(pl), pl["x"]
+
+
+def intra_stage(pl: dict):
+    """`intra(q2, k2, v2, g2, beta2, cstart, clen) -> (gcum, w, u, kn, p)` of plan `pl`."""
+    config, n_tok, nk, nv, h, hv = (pl[n] for n in ("config", "n_tok", "nk", "nv", "h", "hv"))
+    inter, l2 = pl["inter"], pl["l2"]
 
     def intra(q2, k2, v2, g2, beta2, cstart, clen):
         gcum, w, u, kn, p = triton_call(
@@ -141,28 +206,38 @@ def stages(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, scale=None,
                        jax.ShapeDtypeStruct((n_tok, nv, hv), inter),
                        jax.ShapeDtypeStruct((2 * n_tok, nk, h) if l2 else (1,), inter),
                        jax.ShapeDtypeStruct((n_tok, nv, CHUNK), inter)),
-            grid=cfg.intra_grid(config, nv, n_chunks),
+            grid=cfg.intra_grid(config, nv, pl["n_chunks"]),
             num_warps=config.intra_warps,
             num_stages=1,
-            EPS=L2NORM_EPS, L2NORM=l2, BLOCK_HV=block_hv, STORE_KN=l2, STORE_QN=l2, QN_OFF=qn_off,
-            **cfg.intra_constexprs(config), **common,
+            EPS=L2NORM_EPS, L2NORM=l2, BLOCK_HV=pl["block_hv"], STORE_KN=l2, STORE_QN=l2,
+            QN_OFF=pl["qn_off"], **cfg.intra_constexprs(config), **pl["common"],
         )
         return gcum, w, u, kn if l2 else k2, p
 
+    return intra
+
+
+def state_stage(pl: dict, kernel=state_kernel, extra_out=(), launch=cfg.state_launch):
+    """`state(kn, w, u, gcum, cstart, clen, sfirst, scount, h0, q2, p) -> (final, o, *extra)` of
+    plan `pl`: `state_kernel`, or a kernel with its arguments and the outputs `extra_out` after
+    them (`state_save_kernel`, with `launch=cfg.bwd_state_launch`)."""
+    config, nv, hv, l2 = pl["config"], pl["nv"], pl["hv"], pl["l2"]
+    bv = min(config.block_hv_state, pl["block_hv"])
+
     def state(kn, w, u, gcum, cstart, clen, sfirst, scount, h0, q2, p):
-        bv = min(config.block_hv_state, block_hv)
         return triton_call(
             kn, w, u, gcum, cstart, clen, sfirst, scount, h0, kn if l2 else q2, p,
-            kernel=state_kernel,
-            out_shape=(jax.ShapeDtypeStruct((n_seq, nv, h, hv), jnp.float32),
-                       jax.ShapeDtypeStruct((n_tok, nv, hv), q.dtype)),
-            grid=cfg.state_grid(config, n_seq, nv, triton.cdiv(hv, bv)),
-            **cfg.state_launch(config),
-            HAS_INIT=has_init, BLOCK_HV=bv, QN=l2, Q_OFF=qn_off,
-            **cfg.state_constexprs(config, t if cu_seqlens is None else 0), **common,
+            kernel=kernel,
+            out_shape=(jax.ShapeDtypeStruct((pl["n_seq"], nv, pl["h"], hv), jnp.float32),
+                       jax.ShapeDtypeStruct((pl["n_tok"], nv, hv), pl["out_dtype"]),
+                       *extra_out),
+            grid=cfg.state_grid(config, pl["n_seq"], nv, triton.cdiv(hv, bv)),
+            **launch(config),
+            HAS_INIT=pl["has_init"], BLOCK_HV=bv, QN=l2, Q_OFF=pl["qn_off"],
+            **cfg.state_constexprs(config, pl["t_row"]), **pl["common"],
         )
 
-    return intra, state, x
+    return state
 
 
 def _chunk_tables(b: int, t: int, cu_seqlens):

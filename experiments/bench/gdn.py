@@ -14,6 +14,13 @@
   Nv heads if this fla refuses that; else the XLA reference, always reported as `xla_ms`.
   TFLOP/s on the chunked algorithm's matmuls (`gdn_flops`) against the matmul rate; `floor_ms`
   = max(FLOPs / matmul rate, minimum bytes / copy bandwidth). Goal >= 1.5x fla.
+- `gdn_chunk_fwd_bwd`: the chunked prefill's forward and backward (`jax.vjp`, cotangents for the
+  output and the final state) at B1 T32K, B8 T4K and B1 T64K, the `gdn_chunk_prefill` shapes.
+  Anchor: fla's `chunk_gated_delta_rule` forward + backward (torch autograd, GVA as above); the
+  XLA reference's forward + VJP up to 32K tokens, `xla_ms`. TFLOP/s on the forward's and the
+  backward's matmuls (`gdn_flops` + `gdn_bwd_flops`); `temp_gib` the compiled program's scratch
+  memory. Every row carries each output's and gradient's relative error against the reference
+  and fla's against ours. Goal >= 1.3x fla.
 - `causal_conv1d`: prefill, C = 8192, W4, bf16, SiLU, an initial state; T32K as one sequence and
   packed as 4 (`cu_seqlens`). Bytes: x read + y written (+ states and weight) against the copy
   bandwidth (goal >= 0.9); anchor the XLA reference.
@@ -528,3 +535,149 @@ def gdn_chunk_rows(a: GDNChunkArgs, ctx: core.Context):
             fla_ms=None if fla_ms is None else round(fla_ms, 4),
             floor_ms=round(floor_ms, 4), fraction_of_floor=round(floor_ms / ms, 4),
             flops=flops, bytes=num_bytes, **extra)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GDNFwdBwdArgs:
+    """`cases`: `BxT` items; Nk16, Nv32, H = Hv = 128. The XLA reference's gradient (errors and
+    time) runs up to `xla_max_tokens` tokens a case."""
+
+    cases: tuple[str, ...] = ("1x32768", "8x4096", "1x65536")
+    nk: int = 16
+    nv: int = 32
+    head_dim: int = 128
+    xla_max_tokens: int = 32768
+    QUICK: ClassVar[dict] = dict(cases=("1x40",), nk=1, nv=2, head_dim=16)
+
+
+def gdn_bwd_flops(b: int, t: int, nv: int, h: int, hv: int, c: int = gdn_chunk.CHUNK) -> float:
+    """Matmul FLOPs of the chunked algorithm's backward, per chunk and head (no recomputation,
+    the `(I + A)⁻¹` solve left out): the reverse state pass `Pᵀ dO` (2C²Hv), `K dS`, `Qᵀ dO`,
+    `Wᵀ dV_new` (3 · 2CHHv); the state side `dO Sᵀ`, `V_new dSᵀ`, `dV_new Sᵀ` (3 · 2CHHv),
+    `dO V_newᵀ` (2C²Hv), `dP K`, `dPᵀ Q` (2 · 2C²H); the WY side `dV_new Vᵀ`, `Tᵀ dV_new`
+    (2 · 2C²Hv), `dW Kᵀ`, `Tᵀ dW` (2 · 2C²H), `dT Tᵀ`, `Tᵀ (dT Tᵀ)` (2 · 2C³), `dA K`, `dAᵀ K`
+    (2 · 2C²H)."""
+    chunks = b * -(-t // c)
+    per = (2 * c * c * hv + 12 * c * h * hv + 2 * c * c * hv + 4 * c * c * h + 4 * c * c * hv
+           + 4 * c * c * h + 4 * c ** 3 + 4 * c * c * h)
+    return chunks * nv * per
+
+
+def gdn_fwd_bwd(chunked):
+    """jit of `(q, k, v, g, beta, h0, do, dfinal) -> (o, final, dq, dk, dv, dg, dbeta, dh0)`:
+    the forward of `chunked` (`gdn_chunked`'s signature, l2-norm) and its pull-back."""
+    def run(q, k, v, g, beta, h0, do, dfinal):
+        out, pull = jax.vjp(lambda *a: chunked(*a[:5], initial_state=a[5], use_qk_l2norm=True),
+                            q, k, v, g, beta, h0)
+        return (*out, *pull((do, dfinal)))
+    return jax.jit(run)
+
+
+def _fla_chunk_fwd_bwd(ctx, arrays, *, scale: float):
+    """fla `chunk_gated_delta_rule` forward + backward (torch autograd), ms per call, and its
+    `(o, final, dq, dk, dv, dg, dbeta, dh0)` as numpy float32.
+
+    q / k go in with their Nk heads (fla's GVA); if that call fails, repeated to Nv heads (their
+    gradients summed back to Nk heads).
+
+    Returns:
+      `(ms, outputs, note)`, or `(None, None, why)`.
+    """
+    torch, ops, why = _fla()
+    if torch is None:
+        log.warning("fla anchor %s", why)
+        return None, None, why
+    dev = torch.device("cuda")
+    q, k, v, g, beta, h0, do, dfinal = (torch.from_numpy(np.asarray(x, np.float32)).to(dev)
+                                        for x in arrays)
+    q, k, v, do = (x.to(torch.bfloat16).contiguous() for x in (q, k, v, do))
+    nk, nv = q.shape[2], v.shape[2]
+    result, note = (None, None), ""
+    for gva in (True, False):
+        if not gva:
+            q, k = (x.repeat_interleave(nv // nk, dim=2).contiguous() for x in (q, k))
+            note = "q / k repeated to Nv heads"
+        leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta, h0)]
+
+        def call(leaves=leaves):
+            o, final = ops.chunk_gated_delta_rule(
+                *leaves[:3], g=leaves[3], beta=leaves[4], scale=scale, initial_state=leaves[5],
+                output_final_state=True, use_qk_l2norm_in_kernel=True)
+            return (o, final, *torch.autograd.grad((o, final), leaves, (do, dfinal)))
+        try:
+            ms = ctx.time(call, warmup=3, budget_s=None)
+            out = [x.float() for x in call()]
+        except Exception as e:  # an anchor that fails is logged, not fatal
+            log.warning("fla anchor failed (gva=%s): %s", gva, core.first_line(e))
+            note = f"fla failed: {core.first_line(e, 120)}"
+            continue
+        if not gva:  # the repeated heads' q / k gradients back to their key head
+            for i in (2, 3):
+                out[i] = out[i].unflatten(2, (nk, nv // nk)).sum(3)
+        result = ms, [x.cpu().numpy() for x in out]
+        del out
+        break
+    torch.cuda.empty_cache()
+    return *result, note
+
+
+@register("gdn_chunk_fwd_bwd", GDNFwdBwdArgs)
+def gdn_fwd_bwd_rows(a: GDNFwdBwdArgs, ctx: core.Context):
+    """GDN chunked prefill forward + backward against fla's (and the XLA reference's VJP)."""
+    nk, nv, h = a.nk, a.nv, a.head_dim
+    hv = h
+    scale = h**-0.5
+    ours = gdn_fwd_bwd(gdn_chunk.gdn_chunked)
+    xla = gdn_fwd_bwd(gdn_ref.gdn_chunked)
+    fwd = jax.jit(lambda *x: gdn_chunk.gdn_chunked(*x[:5], initial_state=x[5],
+                                                   use_qk_l2norm=True))
+    names = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+    for text in a.cases:
+        b, t = (int(x) for x in text.lower().split("x"))
+        gen = np.random.default_rng(0)
+        arrays = (gen.standard_normal((b, t, nk, h), np.float32),
+                  gen.standard_normal((b, t, nk, h), np.float32),
+                  gen.standard_normal((b, t, nv, hv), np.float32),
+                  np.log(gen.uniform(0.4, 0.99, (b, t, nv))).astype(np.float32),
+                  gen.uniform(0.05, 0.95, (b, t, nv)).astype(np.float32),
+                  (0.5 * gen.standard_normal((b, nv, h, hv))).astype(np.float32),
+                  gen.standard_normal((b, t, nv, hv), np.float32),
+                  gen.standard_normal((b, nv, h, hv), np.float32))
+        bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+        inputs = (bf(arrays[0]), bf(arrays[1]), bf(arrays[2]), *map(jnp.asarray, arrays[3:6]),
+                  bf(arrays[6]), jnp.asarray(arrays[7]))
+        got = [np.asarray(x, np.float32) for x in ours(*inputs)]
+        memory = ours.lower(*inputs).compile().memory_analysis()
+        extra = dict(fwd_ms=round(ctx.time(fwd, *inputs[:6]), 4),
+                     temp_gib=round(memory.temp_size_in_bytes / 2**30, 3))
+        xla_ms = None
+        if b * t <= a.xla_max_tokens:
+            try:
+                exp = xla(*inputs)
+                for name, x, e in zip(names, got, exp):
+                    extra[f"rel_err_{name}_vs_xla"] = round(core.rel_err(x, e), 6)
+                del exp
+                xla_ms = ctx.time(xla, *inputs)
+            except Exception as e:  # an OOM of the reference is a result too
+                log.warning("XLA GDN reference failed: %s", core.first_line(e))
+        ms = ctx.time(ours, *inputs)
+        fla_ms, fla_out, fla_note = _fla_chunk_fwd_bwd(ctx, arrays, scale=scale)
+        if fla_out is not None:
+            for name, x, e in zip(names, fla_out, got):
+                extra[f"fla_rel_err_{name}_vs_ours"] = round(core.rel_err(x, e), 6)
+        if fla_note:
+            extra["fla_note"] = fla_note
+        del got
+        flops = gdn_flops(b, t, nv, h, hv) + gdn_bwd_flops(b, t, nv, h, hv)
+        matmul = ctx.matmul_tflops
+        anchor, anchor_ms = "fla chunk_gated_delta_rule fwd + bwd (torch, same GPU)", fla_ms
+        if fla_ms is None:
+            anchor, anchor_ms = "xla reference fwd + vjp (jit)", xla_ms
+        yield core.row(
+            kernel="gdn_chunk_fwd_bwd",
+            case=f"B{b}-T{core.kilo(t)}-Nk{nk}-Nv{nv}-H{h}-Hv{hv}-bf16-l2norm-state", ms=ms,
+            achieved=flops / ms / 1e9, unit="TFLOP/s", ceiling=matmul, anchor=anchor,
+            anchor_ms=anchor_ms, goal="speedup_vs_anchor >= 1.3 against fla fwd + bwd",
+            meets_goal=None if fla_ms is None else fla_ms / ms >= 1.3,
+            xla_ms=None if xla_ms is None else round(xla_ms, 4),
+            fla_ms=None if fla_ms is None else round(fla_ms, 4), flops=flops, **extra)

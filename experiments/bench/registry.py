@@ -36,7 +36,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "sparse_prefill": ("block_sparse_prefill", "xattn_estimate", "paged_prefill",
                        "block_sparse_fwd_bwd"),
     "gdn": ("gdn_decode", "causal_conv1d_update", "gdn_chunk_prefill", "causal_conv1d",
-            "causal_conv1d_bwd"),
+            "causal_conv1d_bwd", "gdn_chunk_fwd_bwd"),
     "mla": ("mla_decode",),
     "kv_write": ("kv_write",),
     "engine": ("engine_decode",),

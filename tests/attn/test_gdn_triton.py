@@ -336,8 +336,9 @@ def test_chunked_public_api_and_pool_dispatch_to_the_kernel_under_jit():
 
 
 def test_chunked_kernel_gradient_is_the_references():
-    """The kernels are forward-only; `jax.grad` through `gdn_chunked(implementation="triton")`
-    gives the reference's VJP for every input and the initial state."""
+    """`jax.grad` through `gdn_chunked(implementation="triton")` (the Triton backward,
+    tests/attn/test_gdn_chunk_bwd.py) equals the reference's VJP for every input and the initial
+    state."""
     gen = rng()
     xs, h0 = _chunk_problem(gen, b=1, t=5, nk=1, nv=2, h=16, hv=16)
     cot = jnp.asarray(gen.standard_normal((1, 5, 2, 16), np.float32))
