@@ -1,6 +1,22 @@
-"""Context-parallel causal prefill on several GPUs: ring vs all-gather vs one GPU.
+"""Several GPUs in one process: context-parallel causal prefill (ring vs all-gather vs one GPU) and
+tensor-parallel engine decode (one GPU vs all of them).
 
     python -m experiments.bench_multigpu [--out benchmarks] [--budget-s 260]
+    python -m experiments.bench_multigpu --suite tp [--out benchmarks]
+
+Both suites write `<out>/multigpu.{json,md}`; each keeps the other's section of the JSON.
+
+Tensor-parallel decode (`--suite tp`, section `tp_decode`): the engine's jitted decode step
+(`Engine.step`'s, `decode=True`, `implementation="auto"`) for a Qwen3-0.6B-shaped model with
+random bf16 weights (`experiments.bench.engine.QWEN3_0_6B`), B64 rows over S8K cached tokens,
+pages of 64: random pages and tables as after S tokens (as `engine_decode`), the same values on
+one GPU and split by head over all of them (`Engine(mesh=...)`, `shard_weights` True and False).
+Each run decodes greedily `warmup + trials x steps` tokens per row, feeding its tokens back
+(positions `S - n .. S - 1`, no host sync inside a trial); `ms` is the median over trials of the
+mean step time. Rows: tokens/s (`B / step`), the speed-up over one GPU of the same process,
+whether every generated token equals one GPU's (`tokens_identical`, and the share that do), the
+first step's logits against one GPU's; the floor is (weights + KV bytes per GPU) / the measured
+copy bandwidth of GPU 0. Goal (PERF.md): >= 1.7x one GPU on 2 GPUs, tokens identical.
 
 One process drives every GPU of the host (a 1-D mesh `sp` over all of them). First it checks the
 sharded ops against the whole-sequence reference at a small size on the GPU kernels (ring's
@@ -24,6 +40,7 @@ item runs under a time budget; what does not fit is recorded as skipped. Results
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -113,19 +130,51 @@ class Run:
         return row
 
     def write(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        doc = self.info | {"checks": self.checks, "rows": self.rows}
-        (self.out / "multigpu.json").write_text(json.dumps(doc, indent=1) + "\n")
-        cols = ("case", "gpus", "S", "ms", "tflops", "ratio_to_D_x_one_gpu", "comm_ms",
-                "compute_ms", "hidden_comm_ms", "kernel", "note")
-        lines = ["# multigpu", "", ", ".join(f"{k}: {v}" for k, v in self.info.items()), "",
-                 "Correctness (max |ours - f32 reference| / max |reference|, bf16 inputs):", ""]
-        lines += [f"- {k}: {v}" for k, v in self.checks.items()]
-        lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        for r in self.rows:
-            lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c))
-                                          for c in cols) + " |")
-        (self.out / "multigpu.md").write_text("\n".join(lines) + "\n")
+        doc = load_doc(self.out)
+        doc = self.info | {"checks": self.checks, "rows": self.rows} | (
+            {"tp_decode": doc["tp_decode"]} if "tp_decode" in doc else {})
+        write_doc(self.out, doc)
+
+
+CP_COLS = ("case", "gpus", "S", "ms", "tflops", "ratio_to_D_x_one_gpu", "comm_ms", "compute_ms",
+           "hidden_comm_ms", "kernel", "note")
+TP_COLS = ("case", "gpus", "shard_weights", "ms", "tokens_per_s", "speedup_vs_one_gpu",
+           "floor_ms", "tokens_identical", "tokens_equal_share", "logits_rel_err", "recompiles",
+           "goal", "meets_goal", "note")
+
+
+def load_doc(out: Path) -> dict:
+    """The JSON written so far (empty if none)."""
+    path = Path(out) / "multigpu.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _table(rows: list[dict], cols: tuple[str, ...]) -> list[str]:
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return lines + ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols)
+                    + " |" for r in rows]
+
+
+def write_doc(out: Path, doc: dict) -> None:
+    """`multigpu.json` and its markdown: the context-parallel section (top level) and the
+    tensor-parallel decode section (`tp_decode`), each with the run that measured it."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "multigpu.json").write_text(json.dumps(doc, indent=1) + "\n")
+    lines = ["# multigpu", ""]
+    if doc.get("rows"):
+        info = {k: v for k, v in doc.items() if k not in ("checks", "rows", "tp_decode")}
+        lines += ["## Context-parallel causal prefill", "", ", ".join(
+            f"{k}: {v}" for k, v in info.items()), "",
+            "Correctness (max |ours - f32 reference| / max |reference|, bf16 inputs):", ""]
+        lines += [f"- {k}: {v}" for k, v in doc.get("checks", {}).items()]
+        lines += [""] + _table(doc["rows"], CP_COLS) + [""]
+    tp = doc.get("tp_decode")
+    if tp:
+        info = {k: v for k, v in tp.items() if k != "rows"}
+        lines += ["## Tensor-parallel engine decode", "", ", ".join(
+            f"{k}: {v}" for k, v in info.items()), ""] + _table(tp["rows"], TP_COLS) + [""]
+    (out / "multigpu.md").write_text("\n".join(lines))
 
 
 def rel_err(a, b) -> float:
@@ -220,6 +269,164 @@ def tag(s: int) -> str:
     return f"S{s // 1024}K" if s >= 1024 else f"S{s}"
 
 
+def tp_state(engine, seq: int, *, seed: int = 0):
+    """`EngineKV` of `engine` with `B` rows x `seq` cached tokens: random pages generated in the
+    engine's layout (split by head on its mesh; the same values on any layout), tables and
+    allocator as after `seq` tokens (`experiments.bench.engine.engine_state`'s rows)."""
+    import kv
+    from models.engine import EngineKV
+
+    b, p = engine.batch_slots, engine.page_size
+    pages_per_row = -(-seq // p)
+    num_pages = b * pages_per_row + 1
+    key = jax.random.key(seed)
+    pools, draws = [], {}
+    for i, pool in enumerate(engine.states.pools):
+        shape = (pool.num_kv_heads, num_pages, pool.page_size, pool.head_dim)
+        # The engine's layout of this layer (split by head or not); one compile per layout.
+        layout = (shape, pool.k.dtype, pool.k.sharding)
+        if layout not in draws:
+            draws[layout] = jax.jit(
+                lambda k, sh=shape, dt=pool.k.dtype: jax.random.normal(k, sh, dt),
+                out_shardings=pool.k.sharding)
+        draw = draws[layout]
+        pools.append(kv.PagePool(k=draw(jax.random.fold_in(key, 2 * i)),
+                                 v=draw(jax.random.fold_in(key, 2 * i + 1))))
+    heads = len(engine.paged_layers) * engine.num_kv_heads
+    tables = kv.create_block_tables(batch_size=b, num_kv_heads=heads,
+                                    max_pages=engine.max_pages, page_size=p)
+    allocator = kv.create_allocator(num_kv_heads=heads, num_pages=num_pages)
+    allocator, tables, ok = jax.jit(kv.alloc_batch)(
+        allocator, tables, kv.pages_needed(tables, jnp.full((b,), seq, jnp.int32)))
+    if not bool(ok):
+        raise RuntimeError(f"could not allocate {pages_per_row} pages x {b} rows")
+    tables, allocator = jax.tree.map(lambda x: jnp.array(x, copy=True), (tables, allocator))
+    return engine.place_state(EngineKV(pools, tables, allocator))
+
+
+def tp_decode(model, *, mesh, shard_weights: bool, batch: int, seq: int, page: int,
+              warmup: int, trials: int, steps: int) -> dict:
+    """Greedy decode of `warmup + trials * steps` tokens per row through the engine's jitted
+    decode step (on one GPU if `mesh` is None); see the module docstring."""
+    from models import engine as engine_mod
+    from models.engine import Engine
+
+    engine = Engine(model, batch_slots=batch, max_len=seq, page_size=page, num_pages=2,
+                    implementation="auto", mesh=mesh, shard_weights=shard_weights)
+    states = tp_state(engine, seq)
+    checksum = float(jnp.sum(states.pools[0].k[:, :64].astype(jnp.float32)))
+    layers, heads = engine.num_layers, engine.num_kv_heads
+    zeros = np.zeros((batch, layers, heads), np.int32)
+    fixed = (np.ones(batch, np.int32), zeros, zeros, np.zeros(batch, np.uint32),
+             np.zeros(batch, np.float32), np.zeros(batch, np.int32), np.ones(batch, np.float32))
+    total = warmup + trials * steps
+    start_pos = seq - total
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, model.cfg.vocab_size, (batch, 1)),
+                      jnp.int32)
+    tokens, times, first_logits, first_call_s = [], [], None, 0.0
+    traces = None
+    i = 0
+    for trial in range(-warmup, trials):
+        n = 1 if trial < 0 else steps
+        t0 = time.perf_counter()
+        for _ in range(n):
+            offsets = np.full(batch, start_pos + i, np.int32)
+            out, logits, states, _ = engine._step(engine._graphdef, engine._params, states, ids,
+                                                  offsets, fixed[0], *fixed[1:], decode=True)
+            if first_logits is None:
+                first_logits = np.asarray(logits)
+                first_call_s = time.perf_counter() - t0
+            tokens.append(out)
+            ids = out[:, None]
+            i += 1
+        jax.block_until_ready(ids)
+        if trial >= 0:
+            times.append((time.perf_counter() - t0) / n)
+        elif trial == -1:
+            traces = engine_mod.TRACES["decode"]
+    recompiles = engine_mod.TRACES["decode"] - traces
+    pool = states.pools[0]
+    kv_bytes = len(states.pools) * batch * seq * 2 * pool.num_kv_heads * pool.head_dim * 2
+    weights = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(engine._params))
+    gpus = 1 if mesh is None else mesh.size
+    result = {"ms": statistics.median(times) * 1e3, "tokens": np.asarray(jnp.stack(tokens)),
+              "logits": first_logits, "first_call_s": first_call_s, "recompiles": recompiles,
+              "weight_bytes_per_gpu": int(weights), "kv_bytes_per_gpu": kv_bytes // gpus,
+              "checksum": checksum, "gpus": gpus}
+    del states, engine
+    gc.collect()
+    return result
+
+
+def tp_suite(args) -> None:
+    """One GPU, then all GPUs with split and with whole weights; rows into `tp_decode`."""
+    from experiments.bench import core
+    from experiments.bench.engine import QUICK_MODEL, QWEN3_0_6B, build_model
+
+    devices = jax.devices()
+    num = len(devices)
+    info = Run._info()
+    info.pop("shape")
+    info["shape"] = (f"Qwen3-0.6B shape (28 layers, N16 / K8, H128), random bf16 weights, "
+                     f"B{args.tp_batch} S{args.tp_seq} P{args.tp_page}, greedy decode")
+    x = jax.device_put(jnp.ones((1 << 30,), jnp.bfloat16), devices[0])  # 2 GB
+    copy_tbs = 2 * x.nbytes / core.time_ms(jax.jit(lambda a: -a), x) / 1e9
+    del x
+    info["copy_tbs_gpu0"] = round(copy_tbs, 3)
+    if args.tp_tiny:
+        info["shape"] = info["shape"].replace("Qwen3-0.6B shape (28 layers", "tiny (2 layers")
+    section = dict(info, rows=[])
+    doc = load_doc(Path(args.out))
+    model = build_model(QUICK_MODEL if args.tp_tiny else QWEN3_0_6B)
+    case = (f"{'qwen3-tiny' if args.tp_tiny else 'qwen3-0.6b'}-B{args.tp_batch}-{tag(args.tp_seq)}"
+            f"-P{args.tp_page}-bf16")
+    knobs = dict(batch=args.tp_batch, seq=args.tp_seq, page=args.tp_page, warmup=2,
+                 trials=args.tp_trials, steps=args.tp_steps)
+    mesh = Mesh(np.array(devices), ("tp",), axis_types=(AxisType.Auto,))
+    goal = f">= 1.7x one GPU on {num} GPUs, tokens identical"
+    base = None
+    for label, m, sw in (("one_gpu", None, True), (f"tp{num}", mesh, True),
+                         (f"tp{num}_whole_weights", mesh, False)):
+        row = {"case": f"tp_decode_{label}", "shape": case}
+        t0 = time.perf_counter()
+        try:
+            r = tp_decode(model, mesh=m, shard_weights=sw, **knobs)
+        except Exception as e:  # an OOM or a compile failure is a result here
+            row["note"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            r = None
+        if r is not None:
+            floor = (r["weight_bytes_per_gpu"] + r["kv_bytes_per_gpu"]) / copy_tbs / 1e9
+            row |= {"gpus": r["gpus"], "shard_weights": sw if m is not None else None,
+                    "ms": round(r["ms"], 3),
+                    "tokens_per_s": round(args.tp_batch * 1e3 / r["ms"], 1),
+                    "floor_ms": round(floor, 3), "recompiles": r["recompiles"],
+                    "first_call_s": round(r["first_call_s"], 1),
+                    "weight_bytes_per_gpu": r["weight_bytes_per_gpu"],
+                    "kv_bytes_per_gpu": r["kv_bytes_per_gpu"], "pages_checksum": r["checksum"],
+                    "decoded_tokens_per_row": int(r["tokens"].shape[0])}
+            if base is None:
+                base = r
+                row["goal"] = "(anchor row)"
+            else:
+                same = r["tokens"] == base["tokens"]  # [steps, B]
+                first_bad = np.flatnonzero(~same.all(axis=1))
+                row |= {"speedup_vs_one_gpu": round(base["ms"] / r["ms"], 3),
+                        "tokens_identical": bool(same.all()),
+                        "tokens_equal_share": round(float(same.mean()), 4),
+                        "first_differing_step": int(first_bad[0]) if len(first_bad) else None,
+                        "logits_rel_err": round(core.rel_err(r["logits"], base["logits"]), 6),
+                        "goal": goal,
+                        "meets_goal": bool(base["ms"] / r["ms"] >= 1.7 and same.all())}
+        row["wall_s"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps(row), flush=True)
+        section["rows"].append(row)
+        doc["tp_decode"] = section
+        write_doc(Path(args.out), doc)
+    print("\n" + " | ".join(TP_COLS))
+    for r in section["rows"]:
+        print(" | ".join(str(r.get(c, "")) for c in TP_COLS))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks")
@@ -231,7 +438,19 @@ def main() -> None:
                         help="one-GPU lengths: the first is timed first and is the baseline; a "
                              "later one that runs replaces it (timed last: it may not fit)")
     parser.add_argument("--check-s", type=int, default=2048, help="length of the parity check")
+    parser.add_argument("--suite", choices=("cp", "tp"), default="cp",
+                        help="cp: context-parallel prefill; tp: tensor-parallel engine decode")
+    parser.add_argument("--tp-batch", type=int, default=64)
+    parser.add_argument("--tp-seq", type=int, default=8192)
+    parser.add_argument("--tp-page", type=int, default=64)
+    parser.add_argument("--tp-trials", type=int, default=5)
+    parser.add_argument("--tp-steps", type=int, default=10)
+    parser.add_argument("--tp-tiny", action="store_true",
+                        help="the 2-layer QUICK_MODEL (a CPU smoke run on fake devices)")
     args = parser.parse_args()
+    if args.suite == "tp":
+        tp_suite(args)
+        return
     sizes = [int(x) for x in args.sizes.split(",")]
     one_sizes = [int(x) for x in args.one_gpu_sizes.split(",")]
     run = Run(args.out, args.budget_s)
