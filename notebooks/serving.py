@@ -77,8 +77,10 @@ for n in names:
 # ## KV pages in use over time
 #
 # Every configuration has the same bytes; fp8 has more (smaller) pages. Head-wise requests hold
-# fewer pages once their streaming heads recycle, but the full heads still need their pages, and
-# every head gets the same pool, so the full heads decide how many requests fit.
+# fewer pages once their streaming heads recycle. Under the default `--admission bytes` the bytes
+# are one budget for all heads, so those pages admit more requests; with `--admission pools`
+# every head has the same pool, the full heads decide how many requests fit, and head-wise admits
+# no more requests than uniform (`benchmarks/serving.md` has both on an H100).
 
 # %%
 fig, ax = plt.subplots(figsize=(8, 3.6))
