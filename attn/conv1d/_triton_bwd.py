@@ -23,9 +23,12 @@ Two kernels:
   row is read once from memory (the next chunk's `W - 1` halo rows twice), dx written once. Steps
   whose rows all lie `W - 1` past their sequence start run a select-free copy of the row loop;
   the others mask the taps before the start (a select: NaN before a start stays out) and read
-  the initial state there. Per program the `W + 1` sums go to a float32 partials buffer
-  `[chunks, W + 1, C]` that XLA reduces (deterministic; `chunks x (W + 1) x C x 4` bytes, 5 MB at
-  T32K C8192 W4 and chunks of 512).
+  the initial state there. With `cu_seqlens` a program finds the first sequence start past its
+  chunk's halo by binary search in `cu_seqlens` and moves it forward as the steps pass it (no
+  per-token sequence array, no XLA work before the launch); a masked step finds each row's
+  sequence by binary search. Per program the `W + 1` sums go to a float32 partials buffer
+  `[chunks, W + 1, C]` that XLA reduces (deterministic; `chunks x (W + 1) x C x 4` bytes, 10 MB
+  at T32K C8192 W4 and chunks of 512).
 * `_conv_bwd_edges_kernel`, grid `(Ns, cdiv(C, BLOCK_C))`: the state's gradient (recomputing `g`
   of the sequence's first `W - 1` tokens) and `dfinal` added into dx of its last `W - 1` tokens
   (dx aliased in place; dx of the main kernel rounded to x's dtype first, as the reference's
@@ -59,12 +62,12 @@ class Config:
     """Launch configuration: rows per step, tokens per program, channels per program, warps,
     and the SiLU derivative's form."""
 
-    block_t: int = 8
+    block_t: int = 16
     chunk_t: int = 512
     block_c: int = 256
     num_warps: int = 4
     # Load step k + 1's rows before step k's math (more registers, loads in flight longer).
-    prefetch: bool = True
+    prefetch: bool = False
     # SiLU's derivative through one `tanh.approx.f32` (bf16 / f16 inputs; float32 keeps the
     # exact sigmoid); `False` for the exact form.
     fast_silu: bool = True
@@ -99,16 +102,46 @@ def _dsilu(a, FAST: tl.constexpr, HW_TANH: tl.constexpr):
 
 
 @triton.jit
-def _pos_in_seq(tok, seq_ptr, cu_ptr, N_TOK: tl.constexpr, T_ROW: tl.constexpr,
-                VARLEN: tl.constexpr):
-    """`(position of token tok inside its sequence, the sequence)`, scalars."""
+def _count_le(ptr, v, N: tl.constexpr, LOG: tl.constexpr):
+    """How many of the ascending `ptr[0 .. N - 1]` are <= v (a scalar); `LOG` = bit length of
+    N. Branch-free binary search: LOG dependent scalar loads."""
+    cnt = 0
+    for k in tl.static_range(LOG):
+        probe = cnt + (1 << (LOG - 1 - k))
+        val = tl.load(ptr + probe - 1, mask=probe <= N, other=0)
+        cnt = tl.where((probe <= N) & (val <= v), probe, cnt)
+    return cnt
+
+
+@triton.jit
+def _pos_in_seq(tok, cu_ptr, T_ROW: tl.constexpr, VARLEN: tl.constexpr, NS: tl.constexpr,
+                LOG_NS: tl.constexpr):
+    """`(position of token tok inside its sequence, the sequence)`, scalars (the reference's
+    `min(searchsorted(cu[1:], tok, "right"), Ns - 1)`: empty sequences own no token)."""
     if VARLEN:
-        seq = tl.load(seq_ptr + tok, mask=(tok >= 0) & (tok < N_TOK), other=0)
+        seq = tl.minimum(_count_le(cu_ptr + 1, tok, NS, LOG_NS), NS - 1)
         start = tl.load(cu_ptr + seq)
     else:
         seq = tok // T_ROW
         start = seq * T_ROW
     return tok - start, seq
+
+
+@triton.jit
+def _step_masked(s, idx, nxt, cu_ptr, N_TOK: tl.constexpr, T_ROW: tl.constexpr,
+                 W: tl.constexpr, VARLEN: tl.constexpr, NS: tl.constexpr, ROWS: tl.constexpr):
+    """Whether a tap of rows `s .. s + ROWS - 1` reaches before its sequence start (a start in
+    `(s - (W - 1), last row]`). VARLEN: `nxt = cu[idx]`, the first start past `s - (W - 1)`
+    of the previous step, moves forward (a load per start passed); returns it with the flag."""
+    last = tl.minimum(s + ROWS, N_TOK) - 1
+    if VARLEN:
+        while (nxt <= s - (W - 1)) & (idx < NS):
+            idx += 1
+            nxt = tl.load(cu_ptr + idx)
+        masked = nxt <= last
+    else:
+        masked = last // T_ROW * T_ROW > s - (W - 1)
+    return masked, idx, nxt
 
 
 @triton.jit
@@ -122,28 +155,26 @@ def _load_rows(ptr, s, lim, offs_c, mask_c, C: tl.constexpr, ROWS: tl.constexpr)
 
 
 @triton.jit
-def _bwd_step(xc, gc, xn, dyn, dws, db, s, lo, ws, bias, offs_c, mask_c, seq_ptr, cu_ptr,
+def _bwd_step(xc, gc, xn, dyn, dws, db, s, lo, masked, ws, bias, offs_c, mask_c, cu_ptr,
               state_ptr, dx_ptr, N_TOK: tl.constexpr, T_ROW: tl.constexpr, C: tl.constexpr,
               W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
-              VARLEN: tl.constexpr, SILU: tl.constexpr, ROWS: tl.constexpr,
-              BLOCK_C: tl.constexpr, ACC: tl.constexpr, FAST_SILU: tl.constexpr,
-              HW_TANH: tl.constexpr):
+              VARLEN: tl.constexpr, NS: tl.constexpr, LOG_NS: tl.constexpr,
+              SILU: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr,
+              FAST_SILU: tl.constexpr, HW_TANH: tl.constexpr):
     """Rows `s .. s + ROWS - 1` (x `xn`, dy `dyn`): their `g` (and, with `ACC`, their terms of
-    the sums), then dx of rows `s - (W - 1) .. s + ROWS - W` (those `>= lo`). `xc` / `gc`: x / g
-    of the `W - 1` rows before `s`; returns the new carries and sums."""
+    the sums), then dx of rows `s - (W - 1) .. s + ROWS - W` (those `>= lo`); `masked` from
+    `_step_masked`. `xc` / `gc`: x / g of the `W - 1` rows before `s`; returns the new carries
+    and sums."""
     xs = xc + xn  # rows s - (W - 1) .. s + ROWS - 1; xs[t + j] is tap j of row s + t
-    last = tl.minimum(s + ROWS, N_TOK) - 1
-    pos_last, _ = _pos_in_seq(last, seq_ptr, cu_ptr, N_TOK, T_ROW, VARLEN)
-    # Every row's sequence began at least W - 1 rows before it: no tap crosses a start.
-    if last - pos_last <= s - (W - 1):
-        gs, dws, db = _bwd_rows(xs, dyn, gc, dws, db, s, lo, ws, bias, mask_c, offs_c, seq_ptr,
-                                cu_ptr, state_ptr, dx_ptr, N_TOK, T_ROW, C, W, HAS_BIAS,
-                                HAS_STATE, VARLEN, SILU, ROWS, BLOCK_C, ACC, False, FAST_SILU,
+    if masked:
+        gs, dws, db = _bwd_rows(xs, dyn, gc, dws, db, s, lo, ws, bias, mask_c, offs_c, cu_ptr,
+                                state_ptr, dx_ptr, N_TOK, T_ROW, C, W, HAS_BIAS, HAS_STATE,
+                                VARLEN, NS, LOG_NS, SILU, ROWS, BLOCK_C, ACC, True, FAST_SILU,
                                 HW_TANH)
     else:
-        gs, dws, db = _bwd_rows(xs, dyn, gc, dws, db, s, lo, ws, bias, mask_c, offs_c, seq_ptr,
-                                cu_ptr, state_ptr, dx_ptr, N_TOK, T_ROW, C, W, HAS_BIAS,
-                                HAS_STATE, VARLEN, SILU, ROWS, BLOCK_C, ACC, True, FAST_SILU,
+        gs, dws, db = _bwd_rows(xs, dyn, gc, dws, db, s, lo, ws, bias, mask_c, offs_c, cu_ptr,
+                                state_ptr, dx_ptr, N_TOK, T_ROW, C, W, HAS_BIAS, HAS_STATE,
+                                VARLEN, NS, LOG_NS, SILU, ROWS, BLOCK_C, ACC, False, FAST_SILU,
                                 HW_TANH)
     xc = ()
     gc = ()
@@ -154,10 +185,10 @@ def _bwd_step(xc, gc, xn, dyn, dws, db, s, lo, ws, bias, offs_c, mask_c, seq_ptr
 
 
 @triton.jit
-def _bwd_rows(xs, dyn, gc, dws, db, s, lo, ws, bias, mask_c, offs_c, seq_ptr, cu_ptr, state_ptr,
-              dx_ptr, N_TOK: tl.constexpr, T_ROW: tl.constexpr, C: tl.constexpr,
-              W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
-              VARLEN: tl.constexpr, SILU: tl.constexpr, ROWS: tl.constexpr,
+def _bwd_rows(xs, dyn, gc, dws, db, s, lo, ws, bias, mask_c, offs_c, cu_ptr, state_ptr, dx_ptr,
+              N_TOK: tl.constexpr, T_ROW: tl.constexpr, C: tl.constexpr, W: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, VARLEN: tl.constexpr,
+              NS: tl.constexpr, LOG_NS: tl.constexpr, SILU: tl.constexpr, ROWS: tl.constexpr,
               BLOCK_C: tl.constexpr, ACC: tl.constexpr, MASKED: tl.constexpr,
               FAST_SILU: tl.constexpr, HW_TANH: tl.constexpr):
     """Row by row: `g` of row `s + t` (and, with `ACC`, its terms of the sums), then dx of row
@@ -169,7 +200,7 @@ def _bwd_rows(xs, dyn, gc, dws, db, s, lo, ws, bias, mask_c, offs_c, seq_ptr, cu
         pw = ()
         sw = ()
         for i in tl.static_range(W - 1 + ROWS):
-            p, q = _pos_in_seq(s - (W - 1) + i, seq_ptr, cu_ptr, N_TOK, T_ROW, VARLEN)
+            p, q = _pos_in_seq(s - (W - 1) + i, cu_ptr, T_ROW, VARLEN, NS, LOG_NS)
             pw = pw + (p,)
             sw = sw + (q,)
     for t in tl.static_range(ROWS):
@@ -220,7 +251,6 @@ def _conv_bwd_kernel(
     dy_ptr,  # [N_TOK, C]
     w_ptr,  # [C, W]
     bias_ptr,  # [C] (a dummy unless HAS_BIAS)
-    seq_ptr,  # [N_TOK] int32 sequence of each token (a dummy unless VARLEN)
     cu_ptr,  # [Ns + 1] int32 sequence starts
     state_ptr,  # [Ns, C, W - 1] in x's dtype (a dummy unless HAS_STATE)
     dx_ptr,  # [N_TOK, C]
@@ -232,6 +262,9 @@ def _conv_bwd_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_STATE: tl.constexpr,
     VARLEN: tl.constexpr,
+    NS: tl.constexpr,  # sequences
+    LOG_NS: tl.constexpr,  # bit length of NS
+    LOG_NS1: tl.constexpr,  # bit length of NS + 1
     SILU: tl.constexpr,
     BLOCK_T: tl.constexpr,
     STEPS: tl.constexpr,  # CHUNK_T = BLOCK_T x STEPS tokens per program
@@ -267,24 +300,32 @@ def _conv_bwd_kernel(
     db = tl.zeros((BLOCK_C,), tl.float32)
     c1 = c0 + BLOCK_T * STEPS
     lim = tl.minimum(c1 + (W - 1), N_TOK)  # the last step prefetches no more than the halo
+    if VARLEN:  # the first sequence start past c0 - (W - 1)
+        idx = _count_le(cu_ptr, c0 - (W - 1), NS + 1, LOG_NS1)
+        nxt = tl.load(cu_ptr + idx)
+    else:
+        idx = 0
+        nxt = 0
     xn = _load_rows(x_ptr, c0, lim, offs_c, mask_c, C, BLOCK_T)
     dyn = _load_rows(dy_ptr, c0, lim, offs_c, mask_c, C, BLOCK_T)
     for step in range(STEPS):
         s = c0 + step * BLOCK_T
+        masked, idx, nxt = _step_masked(s, idx, nxt, cu_ptr, N_TOK, T_ROW, W, VARLEN, NS,
+                                        BLOCK_T)
         if PREFETCH:  # the next step's rows in flight while this one computes
             xp = _load_rows(x_ptr, s + BLOCK_T, lim, offs_c, mask_c, C, BLOCK_T)
             dyp = _load_rows(dy_ptr, s + BLOCK_T, lim, offs_c, mask_c, C, BLOCK_T)
             xc, gc, dws, db = _bwd_step(
-                xc, gc, xn, dyn, dws, db, s, c0, ws, bias, offs_c, mask_c, seq_ptr, cu_ptr,
-                state_ptr, dx_ptr, N_TOK, T_ROW, C, W, HAS_BIAS, HAS_STATE, VARLEN, SILU,
-                BLOCK_T, BLOCK_C, True, FAST_SILU, HW_TANH)
+                xc, gc, xn, dyn, dws, db, s, c0, masked, ws, bias, offs_c, mask_c, cu_ptr,
+                state_ptr, dx_ptr, N_TOK, T_ROW, C, W, HAS_BIAS, HAS_STATE, VARLEN, NS, LOG_NS,
+                SILU, BLOCK_T, BLOCK_C, True, FAST_SILU, HW_TANH)
             xn = xp
             dyn = dyp
         else:
             xc, gc, dws, db = _bwd_step(
-                xc, gc, xn, dyn, dws, db, s, c0, ws, bias, offs_c, mask_c, seq_ptr, cu_ptr,
-                state_ptr, dx_ptr, N_TOK, T_ROW, C, W, HAS_BIAS, HAS_STATE, VARLEN, SILU,
-                BLOCK_T, BLOCK_C, True, FAST_SILU, HW_TANH)
+                xc, gc, xn, dyn, dws, db, s, c0, masked, ws, bias, offs_c, mask_c, cu_ptr,
+                state_ptr, dx_ptr, N_TOK, T_ROW, C, W, HAS_BIAS, HAS_STATE, VARLEN, NS, LOG_NS,
+                SILU, BLOCK_T, BLOCK_C, True, FAST_SILU, HW_TANH)
             xn = _load_rows(x_ptr, s + BLOCK_T, lim, offs_c, mask_c, C, BLOCK_T)
             dyn = _load_rows(dy_ptr, s + BLOCK_T, lim, offs_c, mask_c, C, BLOCK_T)
     # The next chunk's first W - 1 rows: their g completes dx of this chunk's last W - 1 rows.
@@ -297,10 +338,11 @@ def _conv_bwd_kernel(
     else:
         xe = _load_rows(x_ptr, c1, lim, offs_c, mask_c, C, W - 1)
         dye = _load_rows(dy_ptr, c1, lim, offs_c, mask_c, C, W - 1)
+    masked, idx, nxt = _step_masked(c1, idx, nxt, cu_ptr, N_TOK, T_ROW, W, VARLEN, NS, W - 1)
     xc, gc, dws, db = _bwd_step(
-        xc, gc, xe, dye, dws, db, c1, c0, ws, bias, offs_c, mask_c, seq_ptr, cu_ptr, state_ptr,
-        dx_ptr, N_TOK, T_ROW, C, W, HAS_BIAS, HAS_STATE, VARLEN, SILU, W - 1, BLOCK_C, False,
-        FAST_SILU, HW_TANH)
+        xc, gc, xe, dye, dws, db, c1, c0, masked, ws, bias, offs_c, mask_c, cu_ptr, state_ptr,
+        dx_ptr, N_TOK, T_ROW, C, W, HAS_BIAS, HAS_STATE, VARLEN, NS, LOG_NS, SILU, W - 1,
+        BLOCK_C, False, FAST_SILU, HW_TANH)
     part = part_ptr + kb.to(tl.int64) * ((W + 1) * C) + offs_c  # [BLOCK_C]
     for j in tl.static_range(W):
         tl.store(part + j * C, dws[j], mask=mask_c)
@@ -396,12 +438,9 @@ def backward(x, weight, bias, initial_state, cu_seqlens, dy, dfinal, *, activati
     if cu_seqlens is None:
         n_seq = b
         cu = jnp.asarray(np.arange(b + 1, dtype=np.int32) * t)
-        seq = jnp.zeros((1,), jnp.int32)
     else:
         n_seq = cu_seqlens.shape[0] - 1
         cu = cu_seqlens.astype(jnp.int32)
-        seq = jnp.minimum(jnp.searchsorted(cu[1:], jnp.arange(n_tok, dtype=jnp.int32),
-                                           side="right"), n_seq - 1).astype(jnp.int32)
     has_state = initial_state is not None
     state = initial_state.astype(x.dtype) if has_state else jnp.zeros((1,), x.dtype)
     xf = x.reshape(n_tok, c)
@@ -414,14 +453,15 @@ def backward(x, weight, bias, initial_state, cu_seqlens, dy, dfinal, *, activati
     bias_arg = jnp.zeros((1,), jnp.float32) if bias is None else bias
     silu = activation == "silu"
     dx, part = triton_call(
-        xf, dyf, weight, bias_arg, seq, cu, state,
+        xf, dyf, weight, bias_arg, cu, state,
         kernel=_conv_bwd_kernel,
         out_shape=(jax.ShapeDtypeStruct((n_tok, c), x.dtype),
                    jax.ShapeDtypeStruct((n_chunks, w + 1, c), jnp.float32)),
         grid=(n_chunks * nc,),
         num_warps=config.num_warps,
         N_TOK=n_tok, T_ROW=t, C=c, W=w, HAS_BIAS=bias is not None, HAS_STATE=has_state,
-        VARLEN=cu_seqlens is not None, SILU=silu, BLOCK_T=block_t, STEPS=steps,
+        VARLEN=cu_seqlens is not None, NS=n_seq, LOG_NS=n_seq.bit_length(),
+        LOG_NS1=(n_seq + 1).bit_length(), SILU=silu, BLOCK_T=block_t, STEPS=steps,
         BLOCK_C=block_c, PREFETCH=config.prefetch,
         FAST_SILU=config.fast_silu and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16),
         HW_TANH=on_gpu(), NC=nc,

@@ -8,6 +8,7 @@ masked and the select-free path, and the halo rows each program reads from the n
 """
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -68,14 +69,14 @@ def _check(got, expected, dtype=None):
         assert_close(a, e, dtype=dtype, err_msg=name)
 
 
-def _check_within_3x_reference_error(args, cots, config, dtype):
+def _check_within_3x_reference_error(args, cots, config, dtype, reference=ref.causal_conv1d):
     """Each gradient's error against the float32 gradient of the same (upcast) values is at most
-    3x the error of the reference run in `dtype`, plus one unit of `dtype`'s rounding at the
+    3x the error of `reference` run in `dtype`, plus one unit of `dtype`'s rounding at the
     gradient's scale."""
     up = {k: v if v is None or k == "cu" else v.astype(jnp.float32) for k, v in args.items()}
-    oracle = _grads(ref.causal_conv1d, up, tuple(c.astype(jnp.float32) for c in cots), "silu")
+    oracle = _grads(reference, up, tuple(c.astype(jnp.float32) for c in cots), "silu")
     ours = _grads(_ours(config), args, cots, "silu")
-    theirs = _grads(ref.causal_conv1d, args, cots, "silu")
+    theirs = _grads(reference, args, cots, "silu")
     eps = float(jnp.finfo(dtype).eps)
     for name, a, r, o in zip(("dx", "dweight", "dbias", "dstate"), ours, theirs, oracle,
                              strict=True):
@@ -214,27 +215,50 @@ def test_compiles_for_sm90_without_spills():
     `tanh.approx.f32`."""
     cfg = bwd.Config()
     types = dict(x_ptr="*bf16", dy_ptr="*bf16", w_ptr="*bf16", bias_ptr="*fp32",
-                 seq_ptr="*i32", cu_ptr="*i32", state_ptr="*bf16", dx_ptr="*bf16",
-                 part_ptr="*fp32")
+                 cu_ptr="*i32", state_ptr="*bf16", dx_ptr="*bf16", part_ptr="*fp32")
     jobs = [dict(kernel="attn.conv1d._triton_bwd:_conv_bwd_kernel", pointers=types,
                  constexprs=dict(N_TOK=32768, T_ROW=32768, C=8192, W=4, HAS_BIAS=False,
-                                 HAS_STATE=True, VARLEN=varlen, SILU=True, BLOCK_T=cfg.block_t,
-                                 STEPS=cfg.chunk_t // cfg.block_t, BLOCK_C=cfg.block_c,
-                                 PREFETCH=cfg.prefetch, FAST_SILU=True, HW_TANH=True,
-                                 NC=8192 // cfg.block_c),
+                                 HAS_STATE=True, VARLEN=ns > 1, NS=ns, LOG_NS=ns.bit_length(),
+                                 LOG_NS1=(ns + 1).bit_length(), SILU=True,
+                                 BLOCK_T=cfg.block_t, STEPS=cfg.chunk_t // cfg.block_t,
+                                 BLOCK_C=cfg.block_c, PREFETCH=cfg.prefetch, FAST_SILU=True,
+                                 HW_TANH=True, NC=8192 // cfg.block_c),
                  num_warps=cfg.num_warps, num_stages=2, count=["tanh.approx.f32"])
-            for varlen in (False, True)]
+            for ns in (1, 4)]
     for r in compile_for_sm90(jobs):
         assert r["spill_stores"] == 0 and r["count"]["tanh.approx.f32"] > 0, r
+
+
+def _split_reference(lens):
+    """The reference with `cu_seqlens` as one call per sequence (static `lens`): the packed
+    semantics from the one-row formulation, without the varlen reference's gathers."""
+    cu = np.concatenate([[0], np.cumsum(lens)])
+
+    def conv(x, weight, bias=None, *, initial_state, activation, cu_seqlens):
+        del cu_seqlens
+        outs = [ref.causal_conv1d(x[:, lo:hi], weight, bias,
+                                  initial_state=initial_state[i : i + 1], activation=activation)
+                for i, (lo, hi) in enumerate(itertools.pairwise(cu))]
+        return (jnp.concatenate([y for y, _ in outs], axis=1),
+                jnp.concatenate([f for _, f in outs], axis=0))
+    return conv
+
+
+def test_split_reference_is_the_varlen_reference():
+    args, cots = _problem(rng(), b=1, t=1, c=16, w=4, dtype=jnp.float32, state=True, bias=True,
+                          lens=[3, 1, 9])
+    _check(_grads(_split_reference([3, 1, 9]), args, cots, "silu"),
+           _grads(ref.causal_conv1d, args, cots, "silu"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("varlen", [False, True], ids=["B1-T32K", "varlen"])
 def test_compiled_on_gpu_at_model_dims(varlen):
     """T32K, C = 8192, W4, bf16, SiLU, initial state, bias; varlen: four packed sequences (one
-    shorter than W - 1): within 3x the error of the bf16 XLA reference (the default config, the
-    tanh SiLU derivative)."""
+    shorter than W - 1, against the reference run per sequence): within 3x the error of the
+    bf16 XLA reference (the default config, the tanh SiLU derivative)."""
     lens = [2, 998, 19000, 12768] if varlen else None
     args, cots = _problem(rng(), b=1, t=32768, c=8192, w=4, dtype=jnp.bfloat16, state=True,
                           bias=True, lens=lens)
-    _check_within_3x_reference_error(args, cots, None, jnp.bfloat16)
+    _check_within_3x_reference_error(args, cots, None, jnp.bfloat16,
+                                     _split_reference(lens) if varlen else ref.causal_conv1d)
