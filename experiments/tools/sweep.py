@@ -284,8 +284,7 @@ TARGETS = {
     "causal_conv1d": Target(gdn.ConvPrefillArgs, _conv_prefill, (
         "", "block_t=16,block_c=1024", "block_t=8,block_c=1024,num_warps=8", "fast_silu=0")),
     "causal_conv1d_bwd": Target(gdn.ConvBwdArgs, _conv_bwd, (
-        "", "prefetch=0", "chunk_t=256", "chunk_t=1024", "block_t=4", "block_t=4,chunk_t=256",
-        "block_t=16", "block_c=512,num_warps=8", "block_c=128,num_warps=2", "fast_silu=0"),
+        "", "prefetch=1", "block_t=8", "block_c=512,num_warps=8", "chunk_t=256", "fast_silu=0"),
         ("", "block_t=4,chunk_t=8,block_c=16")),
     "xattn_estimate": Target(sparse.EstimateArgs, _estimate, (
         "", "fp8=1,block_k=128", "fp8=1,block_k=128,block_c=256")),
