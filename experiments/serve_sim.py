@@ -2,9 +2,10 @@
 
     python -m experiments.serve_sim                          # SmolLM2-135M, CPU, < 2 min
     python -m experiments.serve_sim --model tiny-random --requests 4 --prompt-len 64
-    python -m experiments.serve_sim --model qwen3-0.6b --requests 48 --rate 1000 \
-        --prompt-len 8192 --spread 0.25 --max-tokens 128 --batch 16 --chunk 1024 \
-        --page-size 64 --window 1024 --sinks 128 --dtype bfloat16          # GPU-sized
+    python -m experiments.serve_sim --model qwen3-0.6b --requests 48 --rate 50 \
+        --prompt-len 6144 --spread 0.25 --max-tokens 128 --batch 16 --chunk 1024 \
+        --page-size 64 --window 1024 --sinks 128 --dtype bfloat16 \
+        --admission bytes,pools                  # GPU-sized (benchmarks/serving.md, bytes)
     python -m experiments.serve_sim --render a/results.json b/results.json --out benchmarks
 
 Requests with random token prompts (lengths uniform in `prompt-len * (1 +- spread)`) arrive as a
