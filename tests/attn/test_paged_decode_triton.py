@@ -1,4 +1,5 @@
-"""The Triton paged decode kernel against the reference: interpreted on CPU, compiled on GPU."""
+"""The Triton paged decode kernel: the shared base through the op (`paged_decode_base`,
+interpreted on a CPU), its launch configs against the reference, compiled on a GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,19 @@ import pytest
 from attn.paged_decode import reference as ref
 from attn.paged_decode import triton as kernel
 from kv import fp8
+from tests.attn.paged_decode_base import PagedDecodeTests
 from tests.utils import assert_close, case_id, poison, randn, rng
+
+
+class TestTriton(PagedDecodeTests):
+    """The interpreter is slow: four rows (padding, 1, P - 1, P + 1; the streaming case has a
+    full table) and group size 5 (`test_launch_configs_match_reference` has 1, 2, 7 and 16)."""
+
+    implementation = "triton"
+    config = kernel.Config(block_n=16, num_splits=2)
+    fp8_compute = jnp.float16  # `Config.fp8_compute`
+    batch = 4
+    group_sizes = (5,)
 
 
 def _problem(gen, *, b, kh, g, h, hv, p, max_pages, dtype, per_head=True):
@@ -55,15 +68,15 @@ CASES = [
 @pytest.mark.parametrize("c", CASES, ids=lambda c: case_id(G=c["g"], H=c["h"], P=c["p"],
                                                          N=c["n"], J=c["splits"])
                          + ("" if c.get("page_tiles", True) else "-gather"))
-@pytest.mark.parametrize("window", [False, True], ids=["full", "window-sink"])
-def test_kernel_matches_reference(c, window):
+def test_launch_configs_match_reference(c):
+    """Tile widths, split counts and the token-by-token gather, per-head window / sinks (full
+    attention where a drawn window is <= 0), odd head dims, against the reference."""
     gen = rng()
     q, kp, vp, tables, lengths, owned = _problem(
         gen, b=4, kh=c["kh"], g=c["g"], h=c["h"], hv=c["hv"], p=c["p"],
         max_pages=c["max_pages"], dtype=jnp.float32)
     kp, vp = poison(kp, owned), poison(vp, owned)  # unowned pages must never leak in
-    w, sk = _per_head(gen, c["kh"], c["max_pages"] * c["p"]) if window else (
-        ref.per_head(None, c["kh"]), ref.per_head(None, c["kh"]))
+    w, sk = _per_head(gen, c["kh"], c["max_pages"] * c["p"])
     cfg = kernel.Config(block_n=c["n"], num_splits=c["splits"],
                         page_tiles=c.get("page_tiles", True))
     out, lse = kernel.paged_decode(q, kp, vp, tables, lengths, scale=0.3, window=w, sinks=sk,
@@ -72,63 +85,6 @@ def test_kernel_matches_reference(c, window):
     assert_close(out, exp_out, atol=1e-5, rtol=1e-5)
     assert_close(lse, exp_lse, allow_neg_inf=True)
     assert (np.asarray(out)[1] == 0).all() and np.isneginf(np.asarray(lse)[1]).all()
-
-
-def test_per_row_windows_match_row_by_row_decode():
-    """`[B, K]` window / sinks (one policy per request, as the engine passes them) == each row
-    decoded alone with its own `[K]` window / sinks."""
-    gen = rng()
-    b, kh = 4, 2
-    q, kp, vp, tables, lengths, owned = _problem(gen, b=b, kh=kh, g=3, h=32, hv=32, p=16,
-                                                 max_pages=5, dtype=jnp.float32)
-    kp, vp = poison(kp, owned), poison(vp, owned)
-    w = jnp.asarray(gen.integers(-1, 80, (b, kh)), jnp.int32)
-    sk = jnp.asarray(gen.integers(0, 24, (b, kh)), jnp.int32)
-    cfg = kernel.Config(block_n=16, num_splits=2)
-    out, lse = kernel.paged_decode(q, kp, vp, tables, lengths, scale=0.3, window=w, sinks=sk,
-                                   config=cfg)
-    for r in range(b):
-        one = slice(r, r + 1)
-        exp_out, exp_lse = ref.paged_decode(q[one], kp, vp, tables[one], lengths[one], scale=0.3,
-                                            window=w[r], sinks=sk[r])
-        assert_close(out[one], exp_out, atol=1e-5, rtol=1e-5)
-        assert_close(lse[one], exp_lse, allow_neg_inf=True)
-
-
-@pytest.mark.parametrize("sub_block", [1, 4, 16])
-def test_fp8_pages_match_their_dequantised_copy(sub_block):
-    gen = rng()
-    q, kp, vp, tables, lengths, _ = _problem(gen, b=3, kh=2, g=4, h=32, hv=32, p=16,
-                                             max_pages=4, dtype=jnp.bfloat16)
-    kq, ks = fp8.quantize(kp, sub_block)
-    vq, vs = fp8.quantize(vp, sub_block)
-    w, sk = _per_head(gen, 2, 64)
-    out, lse = kernel.paged_decode(q, kq, vq, tables, lengths, scale=0.2, window=w, sinks=sk,
-                                   k_scales=ks, v_scales=vs, config=kernel.Config(block_n=16,
-                                                                                  num_splits=2))
-    exp_out, exp_lse = ref.paged_decode(q, kq, vq, tables, lengths, scale=0.2, window=w,
-                                        sinks=sk, k_scales=ks, v_scales=vs)
-    assert_close(out, exp_out, dtype=jnp.bfloat16)
-    assert_close(lse, exp_lse, dtype=jnp.bfloat16, allow_neg_inf=True)
-
-
-def test_streaming_heads_never_read_recycled_pages():
-    """A streaming head whose pages outside sink + window were given back (-1) reads none."""
-    gen = rng()
-    b, kh, g, h, p, max_pages = 2, 2, 2, 16, 16, 8
-    q, kp, vp, tables, lengths, _ = _problem(gen, b=b, kh=kh, g=g, h=h, hv=h, p=p,
-                                             max_pages=max_pages, dtype=jnp.float32)
-    lengths = jnp.full((b,), max_pages * p - 5, jnp.int32)
-    ids = 1 + np.arange(b)[:, None] * max_pages + np.arange(max_pages)[None]  # [B, max_pages]
-    tables = jnp.asarray(np.repeat(ids[:, None], kh, axis=1), jnp.int32)
-    window, sinks = jnp.asarray([32, 0], jnp.int32), jnp.asarray([16, 0], jnp.int32)
-    # Head 0 keeps page 0 (sink) and the pages overlapping the window; the rest go back.
-    recycled = tables.at[:, 0, 1:5].set(-1)
-    kp_nan = kp.at[0, 2:6].set(jnp.nan).at[0, 10:14].set(jnp.nan)
-    out, _ = kernel.paged_decode(q, kp_nan, vp, recycled, lengths, scale=0.25, window=window,
-                                 sinks=sinks, config=kernel.Config(block_n=16, num_splits=2))
-    exp, _ = ref.paged_decode(q, kp, vp, tables, lengths, scale=0.25, window=window, sinks=sinks)
-    assert_close(out, exp)
 
 
 def test_config_validation():
@@ -165,17 +121,3 @@ def test_compiled_on_gpu(g, p):
     exp8, _ = ref.paged_decode(q, kq, vq, tables, lengths, scale=h**-0.5, window=w, sinks=sk,
                                k_scales=ks, v_scales=vs)
     assert_close(out8, exp8, dtype=jnp.bfloat16)
-
-
-def test_public_api_dispatches_to_the_kernel():
-    from attn.paged_decode import paged_decode
-
-    gen = rng()
-    q, kp, vp, tables, lengths, _ = _problem(gen, b=3, kh=2, g=3, h=16, hv=16, p=16,
-                                             max_pages=3, dtype=jnp.float32)
-    out, lse = paged_decode(q, kp, vp, tables, lengths, window=20, sinks=4,
-                            implementation="triton")
-    exp_out, exp_lse = paged_decode(q, kp, vp, tables, lengths, window=20, sinks=4,
-                                    implementation="xla")
-    assert_close(out, exp_out)
-    assert_close(lse, exp_lse, allow_neg_inf=True)
