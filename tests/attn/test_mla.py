@@ -1,10 +1,12 @@
-"""MLA: HF weight split, materialised vs absorbed vs a float64 HF oracle, paged latent decode.
+"""MLA: HF weight split, materialised vs absorbed vs a float64 HF oracle; paged latent decode
+through the shared base (`mla_decode_base`: against absorbed attention, fp8 latents, unowned
+pages, batch independence) and what only the XLA reference has (split-KV partials, gradients);
+every validation error.
 
 Inputs are built in numpy and handed to the ops as numpy arrays: on a CPU every eager jnp op
 costs a compilation, and compiling is what makes these tests slow.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +23,8 @@ from attn.mla import (
     mla_paged_decode_partials,
     split_kv_b,
 )
-from kv import fp8
-from tests.utils import AttentionTestBase, assert_close, case_id, rng
+from tests.attn.mla_decode_base import MlaDecodeTests, paged, quantize
+from tests.utils import AttentionTestBase, assert_close, rng
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 
@@ -65,6 +67,12 @@ def _oracle(q_nope, q_pe, c_kv, k_pe, kv_b, dn, scale, *, q_offset, kv_lengths, 
     lse = np.log(np.exp(scores - scores.max(-1, keepdims=True)).sum(-1)) + scores.max(-1)
     out = np.einsum("bnts,bsnv->btnv", np.exp(scores - lse[..., None]), kv[..., dn:])
     return out, lse.transpose(0, 2, 1)
+
+
+class TestXla(MlaDecodeTests):
+    """Paged latent decode through the shared base (`mla_decode_base`)."""
+
+    implementation = "xla"
 
 
 def test_split_kv_b_is_hf_view():
@@ -146,75 +154,6 @@ def test_gradients_absorbed_equal_naive_and_finite_on_masked_rows():
             assert not np.asarray(g)[1].any(), "a row with no key has no gradient"
 
 
-def _paged(gen, latent, lengths, page_size, layout, num_pages):
-    """Scatter contiguous latents `[B, S, L+R]` into a pool; every unowned page is NaN.
-
-    Returns numpy `(pages [num_pages, P, L+R], block_tables [B, max_pages], owned [num_pages])`
-    with `-1` past each row's used pages; page 0 stays null (and NaN).
-    """
-    b, s, lr = latent.shape
-    max_pages = s // page_size
-    ids = np.arange(1, num_pages) if layout == "uniform" else gen.permutation(num_pages - 1) + 1
-    table, next_id = np.full((b, max_pages), -1, np.int32), 0
-    for row, n in enumerate(lengths):
-        used = -(-int(n) // page_size)
-        table[row, :used] = ids[next_id:next_id + used]
-        next_id += used
-    pages = np.full((num_pages, page_size, lr), np.nan, np.float32)
-    pages[table[table >= 0]] = latent.astype(np.float32).reshape(b, max_pages, page_size, lr)[
-        table >= 0]
-    owned = np.zeros(num_pages, bool)
-    owned[table[table >= 0]] = True
-    return pages.astype(latent.dtype), table, owned
-
-
-def _quantize(pages, sub_block):
-    """`kv.fp8.quantize` over the token axis: one scale per (page, sub-block), as numpy."""
-    q, scales = fp8.quantize(jnp.asarray(pages), sub_block, axis=-2)
-    return np.array(q), np.array(scales)
-
-
-@functools.partial(jax.jit, static_argnames=("l", "scale", "num_splits"))
-def _decode_and_oracle(q_nope, q_pe, pages, table, lengths, latent, w_uk, w_uv, *, l, scale,
-                       num_splits):
-    """Full absorbed decode path, and absorbed attention over the contiguous latent (T = 1)."""
-    o_lat, lse = mla_paged_decode(absorb_query(q_nope, w_uk), q_pe, pages, table, lengths,
-                                  kv_lora_rank=l, scale=scale, num_splits=num_splits)
-    out, ref_lse = mla_absorbed_attention(
-        q_nope[:, None], q_pe[:, None], latent[..., :l], latent[..., l:], w_uk, w_uv,
-        scale=scale, q_offset=jnp.maximum(lengths - 1, 0), kv_lengths=lengths)
-    return (o_lat, expand_output(o_lat, w_uv), lse), (out[:, 0], ref_lse[:, 0])
-
-
-DECODE_CASES = [  # L, R, B, N, P, max_pages, lengths, layout, num_splits
-    (512, 64, 1, 2, 4, 3, [9], "random", 3),
-    (256, 32, 3, 3, 4, 4, [1, 16, 0], "uniform", 1),
-    (64, 16, 4, 5, 8, 3, [24, 0, 13, 1], "random", 3),
-    (48, 24, 3, 4, 4, 5, [7, 20, 5], "random", 3),
-]
-
-
-@pytest.mark.parametrize(
-    "l,r,b,n,p,max_pages,lengths,layout,num_splits", DECODE_CASES,
-    ids=[case_id(L=c[0], R=c[1], B=c[2], P=c[4], splits=c[8]) + f"-{c[7]}"
-         for c in DECODE_CASES])
-def test_paged_decode_equals_absorbed(l, r, b, n, p, max_pages, lengths, layout, num_splits):
-    """Lengths 1, not a multiple of P, full, and 0 (padding); every unowned page is NaN."""
-    gen = rng()
-    dn, dv = 16, 8
-    _, w_uk, w_uv = _weights(gen, n, dn, dv, l)
-    q_nope, q_pe = _randn(gen, (b, n, dn)), _randn(gen, (b, n, r))
-    latent = _randn(gen, (b, max_pages * p, l + r))
-    lengths = np.array(lengths, np.int32)
-    pages, table, _ = _paged(gen, latent, lengths, p, layout, num_pages=b * max_pages + 2)
-    (o_lat, out, lse), (ref_out, ref_lse) = _decode_and_oracle(
-        q_nope, q_pe, pages, table, lengths, latent, w_uk, w_uv, l=l, scale=(dn + r) ** -0.5,
-        num_splits=num_splits)
-    assert o_lat.shape == (b, n, l) and o_lat.dtype == F32 and lse.dtype == F32
-    AttentionTestBase.check_output(out, lse, ref_out, ref_lse)
-    AttentionTestBase.check_masked_rows(o_lat, lse, np.broadcast_to(lengths[:, None], (b, n)))
-
-
 @jax.jit
 def _partials_case(q_lat, q_pe, pages, table, lengths):
     kw = dict(kv_lora_rank=q_lat.shape[-1], scale=0.2)
@@ -232,7 +171,7 @@ def test_split_kv_partials():
     b, n, l, r, p, max_pages = 3, 2, 32, 8, 4, 6
     latent = _randn(gen, (b, max_pages * p, l + r))
     lengths = np.array([1, 23, 9], np.int32)  # 1, 6 and 3 pages: 1, 2 and 1 page per split
-    pages, table, _ = _paged(gen, latent, lengths, p, "random", num_pages=20)
+    pages, table, _ = paged(gen, latent, lengths, p, "random", num_pages=20)
     q_lat, q_pe = _randn(gen, (b, n, l)), _randn(gen, (b, n, r))
     (o, lse), merged, (sub_o, sub_lse), one = map(
         lambda x: jax.tree.map(np.asarray, x), _partials_case(q_lat, q_pe, pages, table, lengths))
@@ -245,57 +184,12 @@ def test_split_kv_partials():
     AttentionTestBase.check_output(*merged, *one)
 
 
-def test_fp8_latent_equals_dequantised_copy():
-    gen = rng()
-    b, n, l, r, p, max_pages, sub_block = 3, 4, 64, 16, 8, 3, 4
-    latent = _randn(gen, (b, max_pages * p, l + r), scale=3.0)
-    lengths = np.array([17, 0, 5], np.int32)
-    pages, table, owned = _paged(gen, latent, lengths, p, "random", num_pages=12)
-    q8, scales = _quantize(np.where(owned[:, None, None], pages, 0), sub_block)
-    q8[~owned], scales[~owned] = np.nan, np.nan  # unowned pages and their scales: NaN
-    deq = np.repeat(scales, sub_block, axis=1)[..., None] * q8.astype(np.float32)
-    q_lat, q_pe = _randn(gen, (b, n, l)), _randn(gen, (b, n, r))
-    kw = dict(kv_lora_rank=l, scale=0.1, num_splits=3)
-    out, lse = mla_paged_decode(q_lat, q_pe, q8, table, lengths, latent_scales=scales, **kw)
-    exp_out, exp_lse = mla_paged_decode(q_lat, q_pe, deq, table, lengths, **kw)
-    AttentionTestBase.check_output(out, lse, exp_out, exp_lse)
-    AttentionTestBase.check_masked_rows(out, lse, np.broadcast_to(lengths[:, None], (b, n)))
-    # ... and fp8 stays close to the unquantised cache.
-    full_out = np.asarray(mla_paged_decode(q_lat, q_pe, pages, table, lengths, **kw)[0])
-    rel = np.linalg.norm(np.asarray(out) - full_out) / np.linalg.norm(full_out)
-    assert rel < 0.1, f"fp8 relative error {rel:.3g}"  # e4m3 keeps 3 mantissa bits
-
-
-def test_unowned_pages_change_nothing_and_batch_rows_are_independent():
-    gen = rng()
-    b, n, l, r, p, max_pages = 3, 2, 32, 8, 4, 4
-    latent = _randn(gen, (b, max_pages * p, l + r), BF16)
-    lengths = np.array([6, 0, 13], np.int32)
-    pages, table, owned = _paged(gen, latent, lengths, p, "random", num_pages=14)
-    q_lat, q_pe = _randn(gen, (b, n, l), BF16), _randn(gen, (b, n, r), BF16)
-    kw = dict(kv_lora_rank=l, scale=0.2, num_splits=3)
-    nan_out, nan_lse = map(np.asarray, mla_paged_decode(q_lat, q_pe, pages, table, lengths, **kw))
-    assert nan_out.dtype == BF16
-    other = np.where(owned[:, None, None], pages, 1e4).astype(BF16)  # huge, finite garbage
-    out, lse = map(np.asarray, mla_paged_decode(q_lat, q_pe, other, table, lengths, **kw))
-    np.testing.assert_array_equal(nan_out.astype(np.float32), out.astype(np.float32))
-    np.testing.assert_array_equal(nan_lse, lse)
-    AttentionTestBase.check_masked_rows(out, lse, np.broadcast_to(lengths[:, None], (b, n)))
-    perm = np.array([2, 0, 1])  # other neighbours in the batch: each row's result is unchanged
-    perm_out, perm_lse = map(np.asarray, mla_paged_decode(
-        q_lat[perm], q_pe[perm], pages, table[perm], lengths[perm], **kw))
-    np.testing.assert_array_equal(perm_out.astype(np.float32), out[perm].astype(np.float32))
-    np.testing.assert_array_equal(perm_lse, lse[perm])
-    AttentionTestBase.check_deterministic(mla_paged_decode, q_lat, q_pe, pages, table, lengths,
-                                          **kw)
-
-
 def test_decode_gradient_is_finite_and_zero_on_padding_rows():
     gen = rng()
     b, n, l, r, p, max_pages = 2, 2, 16, 8, 4, 3
     latent = _randn(gen, (b, max_pages * p, l + r))
     lengths = np.array([5, 0], np.int32)
-    pages, table, _ = _paged(gen, latent, lengths, p, "random", num_pages=8)  # NaN pages
+    pages, table, _ = paged(gen, latent, lengths, p, "random", num_pages=8)  # NaN pages
     q_lat, q_pe, cot = _randn(gen, (b, n, l)), _randn(gen, (b, n, r)), _randn(gen, (b, n, l))
     loss = lambda q, qp, pg: jnp.sum(mla_paged_decode(
         q, qp, pg, table, lengths, kv_lora_rank=l, scale=0.3, num_splits=3)[0] * cot)
@@ -351,7 +245,7 @@ def _bad_decode():
     q_lat, q_pe = _randn(gen, (b, n, l)), _randn(gen, (b, n, r))
     pages = _randn(gen, (5, p, l + r))
     table, lengths = np.ones((b, 2), np.int32), np.array([3, 5], np.int32)
-    q8, scales = _quantize(pages, 2)
+    q8, scales = quantize(pages, 2)
     good = dict(q_lat=q_lat, q_pe=q_pe, latent_pages=pages, block_tables=table,
                 kv_lengths=lengths, kv_lora_rank=l, scale=0.5)
     fp8 = dict(latent_pages=q8, latent_scales=scales)

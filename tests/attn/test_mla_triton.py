@@ -1,4 +1,6 @@
-"""The Triton MLA latent decode against the reference: interpreted on CPU, compiled on GPU."""
+"""The Triton MLA latent decode: the shared base through the op (`mla_decode_base`, interpreted
+on a CPU), its launch configs (tiles, splits, page tiles against the gather, fp8 value reloads)
+and partials against the reference, its default config, compiled runs on a GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +11,16 @@ from attn._op import device_facts
 from attn.mla import api
 from attn.mla import triton as kernel
 from kv import fp8
+from tests.attn.mla_decode_base import MlaDecodeTests
 from tests.utils import AttentionTestBase, assert_close, case_id, poison, randn, rng
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+class TestTriton(MlaDecodeTests):
+    implementation = "triton"
+    config = kernel.Config(block_n=16, num_splits=2)
+    fp8_compute = jnp.float16  # `Config.fp8_compute`: tiles and probabilities in float16
 
 
 def _problem(gen, *, b, n, l, r, p, max_pages, dtype, lengths):
@@ -129,22 +138,6 @@ def test_fp8_latent_matches_reference_on_same_pages(c):
     assert_close(out, exp_out, atol=1e-2, rtol=1e-2)
     assert_close(lse, exp_lse, allow_neg_inf=True, atol=1e-3, rtol=1e-3)
     AttentionTestBase.check_masked_rows(out, lse, np.broadcast_to(lengths[:, None], (4, c["n"])))
-
-
-def test_rows_are_independent_and_deterministic():
-    """A batch row equals the same row run alone, bitwise; two runs are identical."""
-    gen = rng()
-    l, r, n = 16, 16, 3
-    q_lat, q_pe, pages, table, lengths, keep = _problem(
-        gen, b=3, n=n, l=l, r=r, p=16, max_pages=2, dtype=BF16, lengths=[20, 32, 5])
-    pages = poison(pages, keep)
-    cfg = kernel.Config(block_n=16, num_splits=2)
-    run = lambda *a: kernel.mla_paged_decode(*a, kv_lora_rank=l, scale=0.4, config=cfg)
-    AttentionTestBase.check_deterministic(run, q_lat, q_pe, pages, table, lengths)
-    out, lse = run(q_lat, q_pe, pages, table, lengths)
-    row_out, row_lse = run(q_lat[1:2], q_pe[1:2], pages, table[1:2], lengths[1:2])
-    np.testing.assert_array_equal(np.asarray(row_out[0], F32), np.asarray(out[1], F32))
-    np.testing.assert_array_equal(np.asarray(row_lse[0]), np.asarray(lse[1]))
 
 
 def test_config_validation():
