@@ -1,23 +1,23 @@
 """Triton block-sparse backward (FlashAttention-2, recomputing the probabilities from the
 forward's lse): dQ walks the key blocks each query tile selected, dK / dV walks the query tiles
 that selected each key block, so the work is proportional to the selected blocks, as in the
-forward (`attn/block_sparse/triton.py`).
-
-`delta = rowsum(dO * O) - dlse` in XLA (the lse cotangent enters there: d lse / d score = p, as
-for dO), then two kernels:
+forward (`attn/block_sparse/triton.py`). Three kernels:
 
 - dQ: the forward's programs and lists (`triton.block_lists`: per (request, query head, query
   tile) the selected key blocks ascending, the first `whole` of them seen whole by every query of
   the tile). `BLOCK_M` queries of one query head walk the list in steps of `BLOCK_N` keys, one
   flat loop over the whole blocks without a mask, then one over the rest with the token rules.
-- dK / dV: one program per `BLOCK_N` keys of one KV head, walking the (sibling head, query tile)
+  It also writes `delta = rowsum(dO * O) - dlse` (the lse cotangent enters there: d lse / d score
+  = p, as for dO) for the dK / dV kernel, so no XLA pass reads dO and O.
+- dK / dV: a program owns `BLOCK_N` keys of one KV head and walks the (sibling head, query tile)
   pairs that selected its key block (`transposed_lists`, in XLA: the block mask transposed, each
   row `[G * Tb]` partitioned into the pairs every query of which sees the block whole, then the
   masked ones, both ascending) in steps of `BLOCK_M` queries. The GQA siblings sum inside the
-  program: no atomics, deterministic. Programs run in `program_order`: the heaviest first (a key
-  block every query tile selects, such as the sink block, walks `G * Tb` tiles, ~10x a typical
-  list at density 0.1; started last it would finish long after the rest), otherwise KV head by
-  KV head, key blocks ascending, so the programs in flight read one KV head's queries.
+  program. A program with more than a fair share of the steps (a key block every query tile
+  selects, such as the sink block) is cut into chunks (`dkv_schedule`) that write float32
+  partial sums; started whole it would finish long after the rest (H100, S32K density 0.1,
+  128-key programs: the sink programs walk 2048 steps against ~1600 per SM for everything).
+- reduce: adds the partial sums of each cut program in order (deterministic, no atomics).
 
 NaN and masks: in a masked step `dS` (and `P` for dV) is selected by the visibility rather than
 multiplied by `P = 0`, and dQ zeroes non-finite keys before `dS K`, so a NaN key or value that a
@@ -94,18 +94,60 @@ def transposed_lists(eff, q_lengths, kv_lengths, block_size: int, num_kv_heads: 
     return entries, count, num_whole
 
 
-def program_order(count, num_n: int, block_n: int, block_size: int, block_m: int,
-                  num_sms: int):
-    """Launch order of the dK / dV programs: `[K * B * num_n]` int32 program indices
-    `(kh * B + b) * num_n + nt` (`nt`: the key tile of `block_n` keys). The programs with more
-    steps than a quarter of a fair share (all steps / `num_sms`) first, longest first; then the
-    rest KV head by KV head, key tiles ascending."""
+def dkv_schedule(count, num_n: int, block_n: int, block_size: int, block_m: int,
+                 num_sms: int, split: bool = True):
+    """Work units of the dK / dV launch: programs (a key tile of a KV head of a request, walking
+    its list) cut into chunks of at most a fair share of the steps.
+
+    Programs are indexed `(kh * B + b) * num_n + nt` (`nt`: the key tile of `block_n` keys). A
+    fair share is `chunk = ceil(all steps / E)` steps, `E = min(2 * num_sms, programs)`: a
+    program with more (a block
+    every query tile selects, such as the sink block: `G * Tb` tiles, ~10x a typical list at
+    density 0.1) is cut into chunks that run side by side and write float32 partial sums, added
+    in order by `_dkdv_reduce_kernel` (deterministic, no atomics). Units run the programs with
+    more than half a chunk of steps first, longest first, then the rest KV head by KV head, key
+    tiles ascending (the programs in flight then read one KV head's queries).
+
+    Static bounds (a cut program has more than `chunk >= all steps / E` steps): at most
+    `programs + E` units, `2 E` partial slots, `E` cut programs.
+
+    Returns:
+      `units [4, programs + E]` int32 (program or -1, first step, end step, partial slot or -1)
+      and `cut [3, E]` int32 (program or -1, first slot, slots).
+    """
     per_block = block_size // block_n
     steps = jnp.repeat(count.transpose(1, 0, 2), per_block, axis=-1)[..., :num_n]  # [K, B, NUM_N]
-    steps = steps.reshape(-1) * (block_size // block_m) + 1
-    share = jnp.sum(steps) // (4 * num_sms)
-    key = jnp.where(steps > share, -steps, 0)
-    return jnp.argsort(key, stable=True).astype(jnp.int32)
+    steps = steps.reshape(-1) * (block_size // block_m)
+    num_programs = steps.shape[0]
+    total = jnp.sum(steps)
+    extra = min(2 * num_sms, num_programs)
+    chunk = jnp.maximum(-(-total // extra), 1)
+    if not split:
+        chunk = jnp.maximum(jnp.max(steps), 1)
+    chunks = jnp.maximum(-(-steps // chunk), 1)  # [NP]
+    order = jnp.argsort(jnp.where(2 * steps > chunk, -steps, 0), stable=True)
+    c_o = chunks[order]
+    ends = jnp.cumsum(c_o)
+    max_units = num_programs + extra
+    u = jnp.arange(max_units, dtype=jnp.int32)
+    idx = jnp.searchsorted(ends, u, side="right")  # ordered program of unit u
+    valid = idx < num_programs
+    idx = jnp.minimum(idx, num_programs - 1)
+    prog = order[idx]
+    part = u - (ends - c_o)[idx]
+    lo = part * chunk
+    hi = jnp.minimum(steps[prog], lo + chunk)
+    cut_o = c_o > 1
+    slots_o = jnp.where(cut_o, c_o, 0)
+    first_slot = (jnp.cumsum(slots_o) - slots_o)  # per ordered program
+    slot = jnp.where(cut_o[idx], first_slot[idx] + part, -1)
+    units = jnp.stack([jnp.where(valid, prog, -1), lo, hi, jnp.where(valid, slot, -1)])
+    max_cut = extra
+    rank = jnp.where(cut_o, jnp.cumsum(cut_o) - 1, max_cut)  # max_cut: dropped
+    cut = jnp.stack([jnp.full((max_cut,), -1, jnp.int32).at[rank].set(order, mode="drop"),
+                     jnp.zeros((max_cut,), jnp.int32).at[rank].set(first_slot, mode="drop"),
+                     jnp.zeros((max_cut,), jnp.int32).at[rank].set(c_o, mode="drop")])
+    return units.astype(jnp.int32), cut.astype(jnp.int32)
 
 
 @triton.jit
@@ -145,14 +187,16 @@ def _dq_kernel(
     k_ptr,  # [B, S, K, H]
     v_ptr,  # [B, S, K, HV]
     do_ptr,  # [B, T, N, HV]
+    o_ptr,  # [B, T, N, HV]
     lse_ptr,  # [B, T, N] f32
-    delta_ptr,  # [B, T, N] f32
+    dlse_ptr,  # [B, T, N] f32
     q_len_ptr,  # [B] int32
     kv_len_ptr,  # [B] int32
     blocks_ptr,  # [B, N, TB, SB] int32 selected key blocks, ascending
     count_ptr,  # [B, N, TB] int32
     whole_ptr,  # [B, N, TB] int32
     dq_ptr,  # [B, T, N, H]
+    delta_ptr,  # [B, T, N] f32, out: rowsum(dO * O) - dlse, for the dK / dV kernel
     SCALE: tl.constexpr,
     B: tl.constexpr,
     T: tl.constexpr,
@@ -194,9 +238,14 @@ def _dq_kernel(
                 mask=row_ok[:, None] & (offs_h < H)[None, :], other=0.0)
     do = tl.load(do_ptr + q_rows[:, None] * HV + offs_hv[None, :],  # [BLOCK_M, BLOCK_HV]
                  mask=row_ok[:, None] & (offs_hv < HV)[None, :], other=0.0)
+    o = tl.load(o_ptr + q_rows[:, None] * HV + offs_hv[None, :],  # [BLOCK_M, BLOCK_HV]
+                mask=row_ok[:, None] & (offs_hv < HV)[None, :], other=0.0)
     lse = tl.load(lse_ptr + q_rows, mask=row_ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    delta = tl.load(delta_ptr + q_rows, mask=row_ok, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1) - tl.load(
+        dlse_ptr + q_rows, mask=row_ok, other=0.0)
+    delta = tl.where(lse == float("-inf"), 0.0, delta)  # rows that see nothing: P = 0
+    tl.store(delta_ptr + q_rows, delta, mask=toks < T)
     k_base = k_ptr + b.to(tl.int64) * (S * K * H) + kh * H
     v_base = v_ptr + b.to(tl.int64) * (S * K * HV) + kh * HV
 
@@ -275,11 +324,12 @@ def _dkdv_kernel(
     q_len_ptr,  # [B] int32
     kv_len_ptr,  # [B] int32
     entries_ptr,  # [B, K, SB, G * TB] int32 (sibling, query tile) pairs, whole first
-    count_ptr,  # [B, K, SB] int32
     whole_ptr,  # [B, K, SB] int32
-    order_ptr,  # [B * K * NUM_N] int32 program indices in launch order
+    units_ptr,  # [4, UNITS] int32: program or -1, first step, end step, partial slot or -1
     dk_ptr,  # [B, S, K, H]
     dv_ptr,  # [B, S, K, HV]
+    pk_ptr,  # [SLOTS, BLOCK_N, BLOCK_H] f32 partial dK of cut programs
+    pv_ptr,  # [SLOTS, BLOCK_N, BLOCK_HV] f32 partial dV
     SCALE: tl.constexpr,
     B: tl.constexpr,
     T: tl.constexpr,
@@ -292,6 +342,7 @@ def _dkdv_kernel(
     SB: tl.constexpr,
     BS: tl.constexpr,
     NUM_N: tl.constexpr,
+    UNITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -300,13 +351,20 @@ def _dkdv_kernel(
 ):
     N: tl.constexpr = K * G
     SCALE_LOG2: tl.constexpr = SCALE * LOG2E
-    prog = tl.load(order_ptr + tl.program_id(0))
+    unit = tl.program_id(0)
+    prog = tl.load(units_ptr + unit)
+    if prog < 0:  # past the units of this launch (the grid has the static bound)
+        return
+    lo = tl.load(units_ptr + UNITS + unit)
+    hi = tl.load(units_ptr + 2 * UNITS + unit)
+    slot = tl.load(units_ptr + 3 * UNITS + unit)
     kh = prog // (B * NUM_N)
     b = (prog // NUM_N) % B
     nt = prog % NUM_N
     jb = (nt * BLOCK_N) // BS  # the key block
 
-    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = nt * BLOCK_N + offs_n  # [BLOCK_N] key positions
     offs_h = tl.arange(0, BLOCK_H)
     offs_hv = tl.arange(0, BLOCK_HV)
     q_len = tl.minimum(tl.maximum(tl.load(q_len_ptr + b), 0), T)
@@ -323,26 +381,80 @@ def _dkdv_kernel(
     delta_base = delta_ptr + b.to(tl.int64) * (T * N)
 
     list_row = (b * K + kh) * SB + jb
-    count = tl.load(count_ptr + list_row)
     whole = tl.load(whole_ptr + list_row)
     entries = entries_ptr + list_row.to(tl.int64) * (G * TB)
 
     dk = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_HV], tl.float32)
     SPM: tl.constexpr = BS // BLOCK_M
-    e = tl.load(entries)
-    for i in range(0, whole * SPM):  # every query sees every key of the block: no mask
+    # This unit's steps [lo, hi) of the walk: the whole part, then the masked one.
+    e = tl.load(entries + tl.minimum(lo // SPM, G * TB - 1))
+    for i in range(lo, tl.minimum(hi, whole * SPM)):  # every query sees every key: no mask
         dk, dv, e = _dkdv_step(dk, dv, e, k, v, cols, q_base, do_base, lse_base, delta_base,
                                entries, i, kh, q_len, kv_len, SCALE_LOG2, N, G, H, HV, TB, BS,
                                False, BLOCK_M, BLOCK_H, BLOCK_HV, PRECISION)
-    e = tl.load(entries + tl.minimum(whole, G * TB - 1))
-    for i in range(whole * SPM, count * SPM):  # the diagonal tile and the length tails
+    masked_lo = tl.maximum(lo, whole * SPM)
+    e = tl.load(entries + tl.minimum(masked_lo // SPM, G * TB - 1))
+    for i in range(masked_lo, hi):  # the diagonal tile and the length tails
         dk, dv, e = _dkdv_step(dk, dv, e, k, v, cols, q_base, do_base, lse_base, delta_base,
                                entries, i, kh, q_len, kv_len, SCALE_LOG2, N, G, H, HV, TB, BS,
                                True, BLOCK_M, BLOCK_H, BLOCK_HV, PRECISION)
+    if slot < 0:  # the whole program: write its rows
+        in_s = cols < S
+        tl.store(dk_ptr + k_rows[:, None] * H + offs_h[None, :],
+                 (dk * SCALE).to(dk_ptr.dtype.element_ty),
+                 mask=in_s[:, None] & (offs_h < H)[None, :])
+        tl.store(dv_ptr + k_rows[:, None] * HV + offs_hv[None, :],
+                 dv.to(dv_ptr.dtype.element_ty), mask=in_s[:, None] & (offs_hv < HV)[None, :])
+    else:  # a chunk of a cut program: its partial sums
+        base = slot.to(tl.int64) * BLOCK_N
+        tl.store(pk_ptr + (base + offs_n[:, None]) * BLOCK_H + offs_h[None, :], dk)
+        tl.store(pv_ptr + (base + offs_n[:, None]) * BLOCK_HV + offs_hv[None, :], dv)
+
+
+@triton.jit
+def _dkdv_reduce_kernel(
+    pk_ptr,  # [SLOTS, BLOCK_N, BLOCK_H] f32
+    pv_ptr,  # [SLOTS, BLOCK_N, BLOCK_HV] f32
+    cut_ptr,  # [3, CUTS] int32: program or -1, first slot, slots
+    dk_in_ptr,  # [B, S, K, H], aliased to dk_ptr
+    dv_in_ptr,  # [B, S, K, HV], aliased to dv_ptr
+    dk_ptr,  # [B, S, K, H]
+    dv_ptr,  # [B, S, K, HV]
+    SCALE: tl.constexpr,
+    B: tl.constexpr,
+    S: tl.constexpr,
+    K: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    NUM_N: tl.constexpr,
+    CUTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HV: tl.constexpr,
+):
+    """dK / dV rows of the cut programs: their partial sums added in slot order."""
+    prog = tl.load(cut_ptr + tl.program_id(0))
+    if prog < 0:
+        return
+    first = tl.load(cut_ptr + CUTS + tl.program_id(0))
+    slots = tl.load(cut_ptr + 2 * CUTS + tl.program_id(0))
+    kh = prog // (B * NUM_N)
+    b = (prog // NUM_N) % B
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_hv = tl.arange(0, BLOCK_HV)
+    dk = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_HV], tl.float32)
+    for c in range(0, slots):
+        base = (first.to(tl.int64) + c) * BLOCK_N
+        dk += tl.load(pk_ptr + (base + offs_n[:, None]) * BLOCK_H + offs_h[None, :])
+        dv += tl.load(pv_ptr + (base + offs_n[:, None]) * BLOCK_HV + offs_hv[None, :])
+    cols = (prog % NUM_N) * BLOCK_N + offs_n
+    k_rows = b.to(tl.int64) * (S * K) + cols * K + kh  # [BLOCK_N]
     in_s = cols < S
-    tl.store(dk_ptr + k_rows[:, None] * H + offs_h[None, :],
-             (dk * SCALE).to(dk_ptr.dtype.element_ty), mask=in_s[:, None] & (offs_h < H)[None, :])
+    tl.store(dk_ptr + k_rows[:, None] * H + offs_h[None, :], (dk * SCALE).to(
+        dk_ptr.dtype.element_ty), mask=in_s[:, None] & (offs_h < H)[None, :])
     tl.store(dv_ptr + k_rows[:, None] * HV + offs_hv[None, :], dv.to(dv_ptr.dtype.element_ty),
              mask=in_s[:, None] & (offs_hv < HV)[None, :])
 
@@ -360,37 +472,50 @@ def backward(q, k, v, out, lse, d_out, d_lse, eff, blocks, count, whole, q_lengt
       block_size, scale: as the forward.
       config: `attn.block_sparse.triton.Config` (its `dq_*` and `dkv_*` fields; tiles capped at
         the block size).
-      num_sms: streaming multiprocessors (`program_order`'s fair share).
+      num_sms: streaming multiprocessors (`dkv_schedule`'s fair share).
 
     Returns:
       `(dq, dk, dv)` in the dtypes of q, k, v.
     """
     b, t, n, h = q.shape
     s, kh, hv = k.shape[1], k.shape[2], v.shape[-1]
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
-    delta = jnp.where(lse == -jnp.inf, 0.0, delta)  # rows that see nothing: P = 0 everywhere
     dims = dict(SCALE=float(scale), B=b, T=t, S=s, K=kh, G=n // kh, H=h, HV=hv,
                 TB=blocks.shape[2], SB=blocks.shape[3], BS=block_size,
                 BLOCK_H=max(16, triton.next_power_of_2(h)),
                 BLOCK_HV=max(16, triton.next_power_of_2(hv)),
                 PRECISION="ieee" if q.dtype == jnp.float32 else "tf32")
-    args = (q, k, v, d_out.astype(q.dtype), lse, delta, q_lengths, kv_lengths)
+    d_out = d_out.astype(q.dtype)
 
     dq_m, dq_n = min(config.dq_block_m, block_size), min(config.dq_block_n, block_size)
     num_m = triton.cdiv(t, dq_m)
-    dq = triton_call(*args, blocks, count, whole, kernel=_dq_kernel,
-                     out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(num_m * b * n,),
-                     num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
-                     NUM_M=num_m, BLOCK_M=dq_m, BLOCK_N=dq_n, **dims)
+    dq, delta = triton_call(
+        q, k, v, d_out, out, lse, d_lse.astype(jnp.float32), q_lengths, kv_lengths, blocks,
+        count, whole, kernel=_dq_kernel,
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct(lse.shape, jnp.float32)),
+        grid=(num_m * b * n,), num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
+        NUM_M=num_m, BLOCK_M=dq_m, BLOCK_N=dq_n, **dims)
 
     kv_n, kv_m = min(config.dkv_block_n, block_size), min(config.dkv_block_m, block_size)
     num_n = triton.cdiv(s, kv_n)
     entries, t_count, t_whole = transposed_lists(eff, q_lengths, kv_lengths, block_size, kh)
-    order = program_order(t_count, num_n, kv_n, block_size, kv_m, num_sms)
-    dk, dv = triton_call(*args, entries, t_count, t_whole, order, kernel=_dkdv_kernel,
-                         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
-                                    jax.ShapeDtypeStruct(v.shape, v.dtype)),
-                         grid=(num_n * b * kh,), num_warps=config.dkv_num_warps,
-                         num_stages=config.dkv_num_stages, NUM_N=num_n, BLOCK_M=kv_m,
-                         BLOCK_N=kv_n, **dims)
+    units, cut = dkv_schedule(t_count, num_n, kv_n, block_size, kv_m, num_sms,
+                              split=config.dkv_split)
+    slots = 2 * cut.shape[1]
+    f32 = jnp.float32
+    dk, dv, pk, pv = triton_call(
+        q, k, v, d_out, lse, delta, q_lengths, kv_lengths, entries, t_whole, units,
+        kernel=_dkdv_kernel,
+        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                   jax.ShapeDtypeStruct((slots, kv_n, dims["BLOCK_H"]), f32),
+                   jax.ShapeDtypeStruct((slots, kv_n, dims["BLOCK_HV"]), f32)),
+        grid=(units.shape[1],), num_warps=config.dkv_num_warps,
+        num_stages=config.dkv_num_stages, NUM_N=num_n, UNITS=units.shape[1], BLOCK_M=kv_m,
+        BLOCK_N=kv_n, **dims)
+    dk, dv = triton_call(
+        pk, pv, cut, dk, dv, kernel=_dkdv_reduce_kernel,
+        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        input_output_aliases={3: 0, 4: 1}, grid=(cut.shape[1],), num_warps=4,
+        SCALE=float(scale), B=b, S=s, K=kh, H=h, HV=hv, NUM_N=num_n, CUTS=cut.shape[1],
+        BLOCK_N=kv_n, BLOCK_H=dims["BLOCK_H"], BLOCK_HV=dims["BLOCK_HV"])
     return dq, dk, dv

@@ -8,6 +8,8 @@ a key), so the lse cotangent is checked too. CPU cases use blocks of 16 or 32 to
 / 16-key steps (a 32-token block is two steps of each walk).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,7 +99,10 @@ CASES = {
 def test_grads_match_reference(name):
     problem, opts = CASES[name]
     qkv, modes, bm, lens, cot = _problem(rng(), **problem)
-    (dq, dk, dv), sees = _check(qkv, modes, bm, cot, **opts, **lens)
+    # On a CPU the fair share is tiny (an H100's 132 SMs, a few steps): most dK / dV programs
+    # are cut into chunks and reduced; the 2-step case runs every program whole.
+    config = dataclasses.replace(SMALL, dkv_split=not name.endswith("2steps"))
+    (dq, dk, dv), sees = _check(qkv, modes, bm, cot, config=config, **opts, **lens)
     # Rows that see nothing (and padding) have zero dQ; keys past the lengths zero dK / dV.
     assert not np.asarray(dq)[~sees].any()
     if "kv_lengths" in lens:
@@ -203,14 +208,40 @@ def test_transposed_lists_partition():
                 np.testing.assert_array_equal(entries[i, h, j, : len(sel)], want)
 
 
-def test_program_order_heaviest_first_then_kv_head_major():
-    count = np.zeros((2, 3, 8), np.int32)  # [B, K, Sb]
+def test_dkv_schedule_cuts_heavy_programs_and_covers_every_step_once():
+    """Units cover each program's steps exactly once, in order; a program over the fair share is
+    cut (its chunks first, with consecutive partial slots listed in `cut`), the rest runs whole
+    KV head by KV head; the static bounds hold; `split=False` cuts nothing."""
+    b, kh, sb, num_sms = 2, 3, 8, 4
+    count = np.zeros((b, kh, sb), np.int32)
     count[:, :, 1:] = 2
     count[1, 2, 0] = 200  # a sink-like block: far above a fair share
-    order = np.asarray(_triton_bwd.program_order(jnp.asarray(count), 8, 16, 16, 16, 4))
-    np.testing.assert_array_equal(np.sort(order), np.arange(48))
-    assert order[0] == (2 * 2 + 1) * 8  # (kh 2, b 1, tile 0)
-    np.testing.assert_array_equal(order[1:], [p for p in range(48) if p != 40])
+    count[0, 1, 3] = 0  # an empty list: one unit that writes zeros
+    for split in (True, False):
+        units, cut = (np.asarray(x) for x in _triton_bwd.dkv_schedule(
+            jnp.asarray(count), sb, 16, 16, 16, num_sms, split=split))
+        assert units.shape == (4, b * kh * sb + 2 * num_sms) and cut.shape == (3, 2 * num_sms)
+        prog, lo, hi, slot = units[:, units[0] >= 0]
+        steps = count.transpose(1, 0, 2).reshape(-1)  # (kh * B + b) * NUM_N + nt
+        for p in range(b * kh * sb):
+            mine = np.flatnonzero(prog == p)
+            assert len(mine) >= 1 and lo[mine[0]] == 0 and hi[mine[-1]] == steps[p]
+            np.testing.assert_array_equal(lo[mine[1:]], hi[mine[:-1]])
+        heavy = (2 * b + 1) * sb  # (kh 2, b 1, tile 0)
+        assert prog[0] == heavy
+        if not split:
+            assert (slot == -1).all() and (cut[0] == -1).all()
+            np.testing.assert_array_equal(prog[1:], [p for p in range(48) if p != heavy])
+            continue
+        chunks = np.flatnonzero(prog == heavy)
+        assert len(chunks) > 1 and (slot[chunks] == np.arange(len(chunks))).all()
+        assert (slot[prog != heavy] == -1).all()
+        np.testing.assert_array_equal(cut[:, 0], [heavy, 0, len(chunks)])
+        assert (cut[0, 1:] == -1).all()
+        assert (hi - lo).max() <= -(-steps.sum() // (2 * num_sms))
+    # Few programs: the bound on extra units is the program count.
+    units, cut = _triton_bwd.dkv_schedule(jnp.asarray(count[:1, :1]), sb, 16, 16, 16, num_sms)
+    assert units.shape == (4, 2 * sb) and cut.shape == (3, sb)
 
 
 def test_config_validation():
