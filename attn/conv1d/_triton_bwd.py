@@ -60,14 +60,21 @@ from attn._harness import on_gpu, triton_call
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """Launch configuration: rows per step, tokens per program, channels per program, warps,
-    and the SiLU derivative's form."""
+    the next step's loads, and the SiLU derivative's form.
+
+    The default, 16 rows x 512 tokens x 256 channels over 4 warps with the next step's rows
+    prefetched, is the fastest of an H100 sweep at B1 T32K C8192 W4 bf16 SiLU with a state:
+    0.606 ms, 0.88 of the copy bandwidth (8 rows: 0.638 ms, without the prefetch 0.627 ms; 512
+    channels over 8 warps at 8 rows: 0.618 ms; the exact sigmoid at 8 rows: 0.653 ms).
+    ptxas for sm_90: 184 registers (255 with `cu_seqlens`), no spills.
+    """
 
     block_t: int = 16
     chunk_t: int = 512
     block_c: int = 256
     num_warps: int = 4
     # Load step k + 1's rows before step k's math (more registers, loads in flight longer).
-    prefetch: bool = False
+    prefetch: bool = True
     # SiLU's derivative through one `tanh.approx.f32` (bf16 / f16 inputs; float32 keeps the
     # exact sigmoid); `False` for the exact form.
     fast_silu: bool = True

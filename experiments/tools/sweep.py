@@ -217,11 +217,10 @@ def _conv_prefill(a: gdn.ConvPrefillArgs, ctx) -> Iterator[Case]:
 
 def _conv_bwd(a: gdn.ConvBwdArgs, ctx) -> Iterator[Case]:
     c, w, t = a.channels, a.width, a.tokens
-    gen = np.random.default_rng(0)
+    shapes = ((1, t, c), (c, w), (1, c, w - 1), (1, t, c), (1, c, w - 1))
     x, weight, h0, dy, dfinal = (
-        jnp.asarray(gen.standard_normal(shape, np.float32) * scale, jnp.bfloat16)
-        for shape, scale in (((1, t, c), 1.0), ((c, w), 0.5), ((1, c, w - 1), 1.0),
-                             ((1, t, c), 1.0), ((1, c, w - 1), 1.0)))
+        (jax.random.normal(jax.random.key(i), shape) * (0.5 if i == 1 else 1.0))
+        .astype(jnp.bfloat16) for i, shape in enumerate(shapes))
     make = lambda cfg: jax.jit(lambda x, wt, s, dy, df: conv_bwd.backward(
         x, wt, None, s, None, dy, df, activation="silu", config=cfg)[0])
     xla = gdn.conv_vjp(conv_ref.causal_conv1d)
