@@ -1,10 +1,11 @@
-"""Block-sparse attention with per-head modes: against dense attention and a token-level oracle.
+"""Block-sparse attention with per-head modes: every backend through the shared base
+(`block_sparse_base`: the token-level oracle under dense attention), and the XLA reference's own
+checks: against dense attention with every block selected, streaming as a token window, the
+Block-Sparse-Attention grid, gradients, the block-mask helpers against the CUDA kernel's streaming
+iterator, and every validation error.
 
-The oracle mask (`_oracle_mask`) is written per query token from the Block-Sparse-Attention rules
-(tile of the query, key block of the key, diagonal, sink / local sets), independently of
-`attn/block_sparse/reference.py`, which builds blocks first and expands them. Attention under a
-mask is `attn.dense` (another engineer's reference). `_bsa_streaming_blocks` re-enacts the CUDA
-kernel's streaming iterator (`fwdStreaming` in flash_blockmask.h) to pin the block sets.
+`_bsa_streaming_blocks` re-enacts the CUDA kernel's streaming iterator (`fwdStreaming` in
+flash_blockmask.h) to pin the block sets.
 """
 
 import math
@@ -21,87 +22,33 @@ from attn.block_sparse import (
     effective_block_mask,
     replace_ones_with_count,
 )
-from tests.utils import (
-    AttentionTestBase,
-    assert_all_finite,
-    assert_close,
-    poison,
-    randn,
-    rng,
+from tests.attn.block_sparse_base import (
+    BS,
+    S_PAD,
+    T_PAD,
+    BlockSparseTests,
+    batch,
+    check_vs_mask,
+    mixed_case,
+    oracle_mask,
+    qkv,
+    valid_rows,
 )
+from tests.utils import AttentionTestBase, assert_all_finite, assert_close, rng
 
 
-def _qkv(gen, B, T, S, N, K, H=16, Hv=None, dtype=jnp.float32):
-    return (randn(gen, (B, T, N, H), dtype), randn(gen, (B, S, K, H), dtype),
-            randn(gen, (B, S, K, Hv or H), dtype))
-
-
-def _oracle_mask(modes, block_mask, T, S, bs, sink, local, q_len=None, kv_len=None):
-    """`[B, T, N, S]` visibility, one query token and head at a time (numpy)."""
-    modes = np.asarray(modes)
-    B, N = modes.shape
-    q_len = np.full(B, T) if q_len is None else np.asarray(q_len)
-    kv_len = np.full(B, S) if kv_len is None else np.asarray(kv_len)
-    sink = np.broadcast_to(np.asarray(sink), (N,))
-    local = np.broadcast_to(np.asarray(local), (N,))
-    s = np.arange(S)
-    key_block = s // bs
-    out = np.zeros((B, T, N, S), bool)
-    for b in range(B):
-        off = kv_len[b] - q_len[b]
-        for t in range(q_len[b]):
-            r = t // bs
-            # the tile's diagonal: key block of its last real query (BSA: r + ceil(off / bs))
-            last_q = min((r + 1) * bs, q_len[b]) - 1
-            diag = (off + last_q) // bs
-            assert off < 0 or diag <= r + math.ceil(off / bs)
-            token_ok = (s <= off + t) & (s < kv_len[b])
-            for n in range(N):
-                if modes[b, n] == 0:
-                    blocks = key_block <= diag
-                elif modes[b, n] == 1:
-                    blocks = np.asarray(block_mask)[b, n, r][key_block] & (key_block <= diag)
-                else:
-                    blocks = (key_block <= diag) & ((key_block > diag - local[n])
-                                                    | (key_block < sink[n]))
-                out[b, t, n] = blocks & token_ok
-    return out
-
-
-def _check_vs_mask(q, k, v, out, lse, mask, dtype=None):
-    exp_out, exp_lse = dense.masked_attention(q, k, v, jnp.asarray(mask))
-    AttentionTestBase.check_output(out, lse, exp_out, exp_lse, dtype=dtype)
-    AttentionTestBase.check_masked_rows(out, lse, np.asarray(mask).sum(-1))
-
-
-# One padded shape serves every length case (lengths are traced: one compilation).
-T_PAD, S_PAD, BS = 48, 80, 16
-# (q_len, kv_len) per request: around the block, q shorter than k (chunked prefill) with aligned
-# and unaligned prefixes, single tokens.
-LENGTHS = [(48, 80), (1, 1), (7, 7), (33, 33), (20, 52), (40, 73), (1, 45), (48, 48), (17, 80)]
-
-
-def _batch(gen, N=4, K=2, lengths=LENGTHS, dtype=jnp.float32):
-    q_len, kv_len = (np.asarray(x, np.int32) for x in zip(*lengths))
-    q, k, v = _qkv(gen, len(lengths), T_PAD, S_PAD, N, K, dtype=dtype)
-    return q, k, v, q_len, kv_len
-
-
-def _valid_rows(x, q_len):
-    """Zero the padding rows of a dense result so it can be compared with ours (0 / -inf there)."""
-    keep = (np.arange(x.shape[1])[None] < q_len[:, None]).reshape(q_len.shape + (-1,)
-                                                                  + (1,) * (x.ndim - 2))
-    return jnp.where(keep, x, 0.0 if x.ndim == 4 else -jnp.inf)
+class TestXla(BlockSparseTests):
+    implementation = "xla"
 
 
 def test_every_block_selected_all_full_and_wide_streaming_equal_dense():
     gen = rng()
-    q, k, v, q_len, kv_len = _batch(gen)
+    q, k, v, q_len, kv_len = batch(gen)
     B, N = q.shape[0], q.shape[2]
     lens = dict(q_lengths=jnp.asarray(q_len), kv_lengths=jnp.asarray(kv_len))
     out, lse = dense.attention(q, k, v, q_offset=jnp.asarray(kv_len - q_len),
                                kv_lengths=lens["kv_lengths"])
-    expected = _valid_rows(out, q_len), _valid_rows(lse, q_len)
+    expected = valid_rows(out, q_len), valid_rows(lse, q_len)
     every = jnp.ones((B, N, T_PAD // BS, S_PAD // BS), bool)
     for modes, sink, local in ((1, 1, 1), (0, 1, 1), (-1, 0, S_PAD // BS)):
         # block-sparse with every block selected; all full; streaming with an all-covering window
@@ -117,15 +64,15 @@ STREAM_HEADS = [(1, 1), (1, 2), (2, 3), (0, 2), (3, 0), (0, 0), (2, 1), (1, 4)]
 def test_streaming_equals_dense_with_block_token_mask():
     gen = rng()
     N = len(STREAM_HEADS)
-    q, k, v, q_len, kv_len = _batch(gen, N=N, K=2)
+    q, k, v, q_len, kv_len = batch(gen, N=N, K=2)
     sink, local = (np.asarray(x, np.int32) for x in zip(*STREAM_HEADS))
     modes = -np.ones((q.shape[0], N), np.int32)
     out, lse = block_sparse_attention(
         q, k, v, jnp.asarray(modes), block_size=BS, sink_blocks=jnp.asarray(sink),
         local_blocks=jnp.asarray(local), q_lengths=jnp.asarray(q_len),
         kv_lengths=jnp.asarray(kv_len))
-    mask = _oracle_mask(modes, None, T_PAD, S_PAD, BS, sink, local, q_len, kv_len)
-    _check_vs_mask(q, k, v, out, lse, mask)
+    mask = oracle_mask(modes, None, T_PAD, S_PAD, BS, sink, local, q_len, kv_len)
+    check_vs_mask(q, k, v, out, lse, mask)
 
 
 def test_streaming_block_aligned_equals_dense_window_with_sinks():
@@ -133,7 +80,7 @@ def test_streaming_block_aligned_equals_dense_window_with_sinks():
     # local * bs with sink * bs sink tokens.
     gen = rng()
     sink, local, T = 1, 2, T_PAD
-    q, k, v = _qkv(gen, 1, T, T, 2, 1)
+    q, k, v = qkv(gen, 1, T, T, 2, 1)
     out, lse = block_sparse_attention(q, k, v, -jnp.ones((1, 2), jnp.int32), block_size=BS,
                                       sink_blocks=sink, local_blocks=local)
     exp_out, exp_lse = dense.attention(q, k, v, window=local * BS, sinks=sink * BS)
@@ -141,77 +88,59 @@ def test_streaming_block_aligned_equals_dense_window_with_sinks():
     AttentionTestBase.check_output(out[:, last], lse[:, last], exp_out[:, last], exp_lse[:, last])
 
 
-def _mixed_case(gen, B, N, T, S, bs):
-    modes = gen.choice([-1, 0, 1], size=(B, N)).astype(np.int32)
-    modes[0, :3] = (-1, 0, 1)  # every mode present
-    block_mask = gen.random((B, N, -(-T // bs), -(-S // bs))) < 0.5
-    sink = gen.integers(0, 3, N).astype(np.int32)
-    local = gen.integers(1, 4, N).astype(np.int32)
-    return modes, block_mask, sink, local
-
-
-@pytest.mark.parametrize("bs", [16, 128])
-def test_mixed_modes_per_head_and_request(bs):
+def test_mixed_modes_on_the_block_sparse_attention_grid():
+    """Blocks of 128 (Block-Sparse-Attention's), lengths off the block grid, one query."""
     gen = rng()
-    if bs == 16:
-        q, k, v, q_len, kv_len = _batch(gen)
-    else:  # the Block-Sparse-Attention grid
-        q, k, v = _qkv(gen, 3, 200, 300, 6, 2)
-        q_len, kv_len = np.array([200, 191, 1], np.int32), np.array([300, 198, 160], np.int32)
+    bs = 128
+    q, k, v = qkv(gen, 3, 200, 300, 6, 2)
+    q_len, kv_len = np.array([200, 191, 1], np.int32), np.array([300, 198, 160], np.int32)
     B, T, N, _ = q.shape
     S = k.shape[1]
-    modes, block_mask, sink, local = _mixed_case(gen, B, N, T, S, bs)
+    modes, block_mask, sink, local = mixed_case(gen, B, N, T, S, bs)
     out, lse = block_sparse_attention(
         q, k, v, jnp.asarray(modes), jnp.asarray(block_mask), block_size=bs,
         sink_blocks=jnp.asarray(sink), local_blocks=jnp.asarray(local),
         q_lengths=jnp.asarray(q_len), kv_lengths=jnp.asarray(kv_len))
-    mask = _oracle_mask(modes, block_mask, T, S, bs, sink, local, q_len, kv_len)
-    _check_vs_mask(q, k, v, out, lse, mask)
-    if bs == 16:  # per head: dense attention of that head alone under its own mask
-        for n in (0, 1, 2):
-            g = n // (N // k.shape[2])
-            o, l = dense.masked_attention(q[:, :, n:n + 1], k[:, :, g:g + 1], v[:, :, g:g + 1],
-                                          jnp.asarray(mask[:, :, n:n + 1]))
-            AttentionTestBase.check_output(out[:, :, n:n + 1], lse[:, :, n:n + 1], o, l)
+    mask = oracle_mask(modes, block_mask, T, S, bs, sink, local, q_len, kv_len)
+    check_vs_mask(q, k, v, out, lse, mask)
 
 
-@pytest.mark.parametrize("G", [1, 5, 7, 16], ids=lambda g: f"G{g}")
-def test_gqa_group_sizes(G):
+def test_one_head_alone_under_its_own_mask():
+    """Per head: dense attention of that head alone under its own token mask."""
     gen = rng()
-    B, K, T, S, bs = 1, 1, 13, 21, 8
-    N = G * K
-    q, k, v = _qkv(gen, B, T, S, N, K, H=8, Hv=12)
-    modes = np.resize(np.array([1, -1, 0], np.int32), N)[None]
-    block_mask = gen.random((B, N, 2, 3)) < 0.6
-    out, lse = block_sparse_attention(q, k, v, jnp.asarray(modes), jnp.asarray(block_mask),
-                                      block_size=bs, sink_blocks=1, local_blocks=1)
-    assert out.shape == (B, T, N, 12) and lse.shape == (B, T, N)
-    _check_vs_mask(q, k, v, out, lse, _oracle_mask(modes, block_mask, T, S, bs, 1, 1))
+    q, k, v, q_len, kv_len = batch(gen)
+    B, T, N, _ = q.shape
+    S = k.shape[1]
+    modes, block_mask, sink, local = mixed_case(gen, B, N, T, S, BS)
+    out, lse = block_sparse_attention(
+        q, k, v, jnp.asarray(modes), jnp.asarray(block_mask), block_size=BS,
+        sink_blocks=jnp.asarray(sink), local_blocks=jnp.asarray(local),
+        q_lengths=jnp.asarray(q_len), kv_lengths=jnp.asarray(kv_len))
+    mask = oracle_mask(modes, block_mask, T, S, BS, sink, local, q_len, kv_len)
+    for n in (0, 1, 2):
+        g = n // (N // k.shape[2])
+        o, l = dense.masked_attention(q[:, :, n:n + 1], k[:, :, g:g + 1], v[:, :, g:g + 1],
+                                      jnp.asarray(mask[:, :, n:n + 1]))
+        AttentionTestBase.check_output(out[:, :, n:n + 1], lse[:, :, n:n + 1], o, l)
 
 
-def test_fully_masked_rows_and_gradients():
+def test_gradients_match_dense_under_the_mask():
+    """Modes and geometry traced under jit; rows with no key (empty block mask, streaming without
+    blocks, more queries than keys) give finite gradients equal to dense attention's."""
     gen = rng()
     lengths = [(48, 80), (25, 10), (20, 52)]  # the second has more queries than keys
-    q, k, v, q_len, kv_len = _batch(gen, lengths=lengths)
+    q, k, v, q_len, kv_len = batch(gen, lengths=lengths)
     B, N = q.shape[0], q.shape[2]
-    # head 0: empty block mask; head 1: streaming without blocks; head 2: full; head 3: sparse.
     modes = jnp.asarray([[1, -1, 0, 1]] * B, jnp.int32)
     block_mask = jnp.asarray(gen.random((B, N, 3, 5)) < 0.5).at[:, 0].set(False)
     local = jnp.asarray([1, 0, 1, 1], jnp.int32)
     sink = jnp.asarray([1, 0, 1, 0], jnp.int32)
-    kw = dict(block_size=BS, sink_blocks=sink, local_blocks=local,
-              q_lengths=jnp.asarray(q_len), kv_lengths=jnp.asarray(kv_len))
-    out, lse = block_sparse_attention(q, k, v, modes, block_mask, **kw)
-    mask = _oracle_mask(modes, block_mask, T_PAD, S_PAD, BS, sink, local, q_len, kv_len)
-    assert not mask[:, :, :2].any() and not mask[1, 25:].any() and not mask[1, :15].any()
-    assert mask[1, 15:25, 2].any()
-    _check_vs_mask(q, k, v, out, lse, mask)
-    assert np.isneginf(np.asarray(lse)[:, :, :2]).all()
+    mask = oracle_mask(modes, block_mask, T_PAD, S_PAD, BS, sink, local, q_len, kv_len)
+    lens = dict(q_lengths=jnp.asarray(q_len), kv_lengths=jnp.asarray(kv_len))
 
-    def loss(q, k, v, modes, block_mask, sink, local):  # modes and geometry traced under jit
+    def loss(q, k, v, modes, block_mask, sink, local):
         o, l = block_sparse_attention(q, k, v, modes, block_mask, block_size=BS, sink_blocks=sink,
-                                      local_blocks=local, q_lengths=kw["q_lengths"],
-                                      kv_lengths=kw["kv_lengths"])
+                                      local_blocks=local, **lens)
         return jnp.sum(o ** 2) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0))
 
     def dense_loss(q, k, v):
@@ -223,48 +152,6 @@ def test_fully_masked_rows_and_gradients():
     for g, e in zip(grads, expected):
         assert_all_finite(g)
         assert_close(g, e, atol=1e-4, rtol=1e-4)
-
-
-def test_padding_poisoned_with_nan_changes_nothing():
-    gen = rng()
-    q, k, v, q_len, kv_len = _batch(gen)
-    B, N = q.shape[0], q.shape[2]
-    modes, block_mask, _, _ = _mixed_case(gen, B, N, T_PAD, S_PAD, BS)
-    modes, block_mask = jnp.asarray(modes), jnp.asarray(block_mask)
-    q_keep = np.arange(T_PAD)[None] < q_len[:, None]
-    kv_keep = np.arange(S_PAD)[None] < kv_len[:, None]
-    fn = lambda q, k, v, m, bm, ql, kl: block_sparse_attention(
-        q, k, v, m, bm, block_size=BS, sink_blocks=1, local_blocks=2, q_lengths=ql, kv_lengths=kl)
-    lens = jnp.asarray(q_len), jnp.asarray(kv_len)
-    clean = fn(q, k, v, modes, block_mask, *lens)
-    dirty = fn(poison(q, q_keep), poison(k, kv_keep), poison(v, kv_keep), modes, block_mask,
-               *lens)
-    for a, b in zip(clean, dirty):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert (np.asarray(dirty[0])[1, 1:] == 0).all()
-    AttentionTestBase.check_deterministic(fn, q, k, v, modes, block_mask, *lens)
-    # the other requests' data changes nothing in this request's rows
-    alone = [jnp.where(jnp.arange(B)[:, None, None, None] == 4, x, jnp.roll(x, 1, axis=0))
-             for x in (q, k, v)]
-    one = fn(*alone, modes, block_mask, *lens)
-    assert_close(one[0][4], clean[0][4])
-    assert_close(one[1][4], clean[1][4], allow_neg_inf=True)
-
-
-def test_bfloat16_matches_float32_reference():
-    gen = rng()
-    q, k, v, q_len, kv_len = _batch(gen, dtype=jnp.bfloat16)
-    B, N = q.shape[0], q.shape[2]
-    modes, block_mask, sink, local = _mixed_case(gen, B, N, T_PAD, S_PAD, BS)
-    out, lse = block_sparse_attention(
-        q, k, v, jnp.asarray(modes), jnp.asarray(block_mask), block_size=BS,
-        sink_blocks=jnp.asarray(sink), local_blocks=jnp.asarray(local),
-        q_lengths=jnp.asarray(q_len), kv_lengths=jnp.asarray(kv_len))
-    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
-    mask = _oracle_mask(modes, block_mask, T_PAD, S_PAD, BS, sink, local, q_len, kv_len)
-    exp_out, exp_lse = dense.masked_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
-                                              jnp.asarray(mask))
-    AttentionTestBase.check_output(out, lse, exp_out, exp_lse, dtype=jnp.bfloat16)
 
 
 def _bsa_streaming_blocks(r, act_q, act_k, bs, sink, local):

@@ -9,8 +9,18 @@ import pytest
 
 from attn.block_sparse import block_sparse_attention
 from attn.block_sparse import mosaic as kernel
-from tests.attn.test_block_sparse_triton import _problem
+from tests.attn.block_sparse_base import BlockSparseTests, problem
 from tests.utils import AttentionTestBase, assert_close, rng
+
+
+class TestMosaic(BlockSparseTests):
+    """The interpreted kernel (`Config(interpret=True)`) under the shared base: its float32 and
+    ragged cases are refused with the kernel's reasons (the interpreter itself runs in
+    `test_interpreted_kernel_matches_reference`, `-m slow`)."""
+
+    implementation = "mosaic"
+    config = kernel.Config(interpret=True)
+
 
 REFUSED = [
     (dict(bs=64), {}, "block_size=64"),
@@ -27,7 +37,7 @@ def test_refusals_name_the_value(shape, options, match):
     if match.startswith("Mosaic GPU kernels") and jax.default_backend() == "gpu":
         pytest.skip("a GPU is present")
     dims = dict(b=1, t=256, s=256, n=4, kh=2, bs=128, h=64, hv=64, dtype=jnp.bfloat16) | shape
-    q, k, v, modes, bm, _ = _problem(rng(0), **dims)
+    q, k, v, modes, bm, _ = problem(rng(0), **dims)
     with pytest.raises(NotImplementedError, match=match):
         block_sparse_attention(q, k, v, modes, bm, block_size=dims["bs"], implementation="mosaic",
                                **options)
@@ -41,7 +51,7 @@ def test_refusals_name_the_value(shape, options, match):
 def test_interpreted_kernel_matches_reference():
     """Pallas's Mosaic GPU interpreter on the CPU: every mode, an empty list row and the
     diagonal's masked step (blocks of 128: two query tiles of two heads)."""
-    q, k, v, modes, bm, _ = _problem(rng(3), b=1, t=256, s=256, n=2, kh=1, bs=128, h=64, hv=64,
+    q, k, v, modes, bm, _ = problem(rng(3), b=1, t=256, s=256, n=2, kh=1, bs=128, h=64, hv=64,
                                      dtype=jnp.bfloat16, density=0.5)
     modes = jnp.asarray([[1, -1]], jnp.int32)
     bm = bm.at[0, 0, 0].set(False)  # head 0, tile 0: nothing (0 and -inf)
@@ -60,7 +70,7 @@ def test_interpreted_kernel_matches_reference():
 @pytest.mark.parametrize("g", [1, 4])
 def test_gpu_matches_reference(density, g):
     kh = 2
-    q, k, v, modes, bm, _ = _problem(rng(), b=2, t=2048, s=2048, n=kh * g, kh=kh, bs=128, h=128,
+    q, k, v, modes, bm, _ = problem(rng(), b=2, t=2048, s=2048, n=kh * g, kh=kh, bs=128, h=128,
                                      hv=128, dtype=jnp.bfloat16, density=density)
     opts = dict(block_size=128, sink_blocks=1, local_blocks=4)
     out, lse = jax.jit(lambda *a: kernel.block_sparse_attention(*a, **opts))(q, k, v, modes, bm)
@@ -75,7 +85,7 @@ def test_gpu_matches_reference(density, g):
 def test_gpu_auto_picks_mosaic_and_falls_back():
     """auto runs the Mosaic kernel where it fits (bit for bit the explicit call) and the Triton
     kernel where it does not (shorter lengths)."""
-    q, k, v, modes, bm, _ = _problem(rng(), b=1, t=1024, s=1024, n=4, kh=2, bs=128, h=128,
+    q, k, v, modes, bm, _ = problem(rng(), b=1, t=1024, s=1024, n=4, kh=2, bs=128, h=128,
                                      hv=128, dtype=jnp.bfloat16, density=0.3)
     opts = dict(block_size=128, sink_blocks=1, local_blocks=2)
     auto = block_sparse_attention(q, k, v, modes, bm, implementation="auto", **opts)

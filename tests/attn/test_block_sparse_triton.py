@@ -1,10 +1,9 @@
-"""The Triton block-sparse prefill kernel against the reference: interpreted on CPU, compiled on
-GPU.
-
-Every case mixes the three modes (0 full, 1 block mask, -1 streaming) over the query heads of GQA
-groups, and NaN-poisons queries past `q_lengths` and keys / values past `kv_lengths`. CPU cases use
-blocks of 16 or 32 tokens with 16 x 16 steps (so a 32-token block is walked in two query programs
-and two key steps); one case runs the seed's block of 128 with the default tiles in bf16.
+"""The Triton block-sparse prefill kernel: the shared base through the op (`block_sparse_base`,
+interpreted on a CPU with 16 x 16 steps, so a 32-token block is walked in two query programs and
+two key steps), then what is the kernel's own: the flat walk over steps and groups, the launch
+order, the seed's block of 128 on the default tiles in bf16, the block lists, the public dispatch
+and its gradient, config checks, compiled runs on a GPU. Queries past `q_lengths` and keys /
+values past `kv_lengths` are NaN-poisoned.
 """
 
 import dataclasses
@@ -17,33 +16,19 @@ import pytest
 import attn
 from attn.block_sparse import block_sparse_attention, effective_block_mask
 from attn.block_sparse import triton as kernel
-from tests.utils import AttentionTestBase, assert_close, poison, randn, rng
+from tests.attn.block_sparse_base import LENGTHS, BlockSparseTests, clean, problem
+from tests.utils import AttentionTestBase, assert_close, rng
 
 SMALL = kernel.Config(block_m=16, block_n=16)
 
 
-def _problem(gen, *, b, t, s, n, kh, bs, h=16, hv=16, q_lengths=None, kv_lengths=None,
-             dtype=jnp.float32, density=0.5):
-    q = randn(gen, (b, t, n, h), dtype)
-    k = randn(gen, (b, s, kh, h), dtype)
-    v = randn(gen, (b, s, kh, hv), dtype)
-    modes = jnp.asarray(gen.choice([0, 1, -1], (b, n)), jnp.int32)
-    modes = modes.at[0, :3].set(jnp.asarray([0, 1, -1])[: min(3, n)])  # every mode present
-    tb, sb = -(-t // bs), -(-s // bs)
-    block_mask = jnp.asarray(gen.random((b, n, tb, sb)) < density)
-    lens = {}
-    if q_lengths is not None:
-        lens["q_lengths"] = jnp.asarray(q_lengths, jnp.int32)
-        q = poison(q, jnp.arange(t)[None, :] < lens["q_lengths"][:, None])
-    if kv_lengths is not None:
-        lens["kv_lengths"] = jnp.asarray(kv_lengths, jnp.int32)
-        keep = jnp.arange(s)[None, :] < lens["kv_lengths"][:, None]
-        k, v = poison(k, keep), poison(v, keep)
-    return q, k, v, modes, block_mask, lens
+class TestTriton(BlockSparseTests):
+    """16 x 16 steps; four rows of the batched cases (whole tiles, one token, a query chunk
+    after a prefix off and on the block grid)."""
 
-
-def _clean(x):
-    return jnp.where(jnp.isnan(x), 0.0, x).astype(x.dtype)
+    implementation = "triton"
+    config = SMALL
+    lengths = tuple(LENGTHS[i] for i in (0, 1, 4, 5))
 
 
 def _check(q, k, v, modes, block_mask, *, config=SMALL, dtype=None, outputs=None, **opts):
@@ -51,7 +36,7 @@ def _check(q, k, v, modes, block_mask, *, config=SMALL, dtype=None, outputs=None
     if outputs is None:
         outputs = kernel.block_sparse_attention(q, k, v, modes, block_mask, config=config, **opts)
     out, lse = outputs
-    exp_out, exp_lse = block_sparse_attention(_clean(q), _clean(k), _clean(v), modes, block_mask,
+    exp_out, exp_lse = block_sparse_attention(clean(q), clean(k), clean(v), modes, block_mask,
                                               implementation="xla", **opts)
     tol = {} if dtype is not None else dict(atol=2e-5, rtol=2e-5)
     assert_close(out, exp_out, dtype=dtype, err_msg="out", **tol)
@@ -59,29 +44,6 @@ def _check(q, k, v, modes, block_mask, *, config=SMALL, dtype=None, outputs=None
     sees = np.isfinite(np.asarray(exp_lse))
     AttentionTestBase.check_masked_rows(out, lse, sees)
     return sees
-
-
-CASES = {  # name: (problem, options)
-    "T64-S64-bs16-G2": (dict(b=1, t=64, s=64, n=4, kh=2, bs=16),
-                        dict(block_size=16, sink_blocks=1, local_blocks=2)),
-    "T40-S100-bs16-G3-lengths": (
-        dict(b=2, t=40, s=100, n=3, kh=1, bs=16, q_lengths=[37, 40], kv_lengths=[90, 45]),
-        dict(block_size=16, sink_blocks=np.array([1, 2, 0], np.int32), local_blocks=2)),
-    "T65-S65-bs32-G7-subtiles": (dict(b=1, t=65, s=65, n=7, kh=1, bs=32, hv=24),
-                                 dict(block_size=32, sink_blocks=1, local_blocks=1, scale=0.2)),
-    "q-longer-than-kv": (dict(b=2, t=48, s=48, n=2, kh=2, bs=16, q_lengths=[40, 9],
-                              kv_lengths=[30, 48]),
-                         dict(block_size=16, local_blocks=np.array([1, 3], np.int32))),
-}
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_kernel_matches_reference(name):
-    problem, opts = CASES[name]
-    q, k, v, modes, bm, lens = _problem(rng(), **problem)
-    sees = _check(q, k, v, modes, bm, **opts, **lens)
-    if name == "q-longer-than-kv":  # row 0: the first 10 queries sit before key 0; head 0 is full
-        assert not sees[0, :10].any() and sees[0, 10:40, 0].all() and not sees[0, 40:].any()
 
 
 # The walk is one flat loop of `block_size // block_n` steps per listed block (the block index
@@ -98,7 +60,7 @@ WALKS = {
 @pytest.mark.parametrize("g", [1, 2, 4])
 def test_flat_walk_steps_and_groups(walk, g):
     bs, config = WALKS[walk]
-    q, k, v, modes, bm, lens = _problem(rng(), b=2, t=77, s=131, n=2 * g, kh=2, bs=bs,
+    q, k, v, modes, bm, lens = problem(rng(), b=2, t=77, s=131, n=2 * g, kh=2, bs=bs,
                                         q_lengths=[77, 50], kv_lengths=[131, 97])
     sees = _check(q, k, v, modes, bm, config=config, block_size=bs, sink_blocks=1,
                   local_blocks=2, **lens)
@@ -112,7 +74,7 @@ def test_heads_fastest_order_is_bitwise_the_default(walk):
     bs, config = WALKS[walk]
     assert config.kv_head_major  # the default
     heads_fastest = dataclasses.replace(config, kv_head_major=False)
-    q, k, v, modes, bm, lens = _problem(rng(), b=2, t=77, s=131, n=6, kh=2, bs=bs,
+    q, k, v, modes, bm, lens = problem(rng(), b=2, t=77, s=131, n=6, kh=2, bs=bs,
                                         q_lengths=[77, 50], kv_lengths=[131, 97])
     opts = dict(block_size=bs, sink_blocks=1, local_blocks=2, **lens)
     got = kernel.block_sparse_attention(q, k, v, modes, bm, config=heads_fastest, **opts)
@@ -125,7 +87,7 @@ def test_heads_fastest_order_is_bitwise_the_default(walk):
 
 def test_seed_block_128_bf16_default_config():
     gen = rng()
-    q, k, v, modes, bm, lens = _problem(gen, b=1, t=200, s=300, n=2, kh=1, bs=128, h=32, hv=32,
+    q, k, v, modes, bm, lens = problem(gen, b=1, t=200, s=300, n=2, kh=1, bs=128, h=32, hv=32,
                                         kv_lengths=[290], dtype=jnp.bfloat16)
     _check(q, k, v, modes.at[0].set(jnp.asarray([1, -1])), bm, config=None, dtype=jnp.bfloat16,
            block_size=128, sink_blocks=1, local_blocks=1, **lens)
@@ -166,7 +128,7 @@ def test_block_lists_whole_prefix_is_fully_visible(use_kernel):
 
 def test_public_api_dispatch_gradient_and_auto_fallback(monkeypatch):
     gen = rng()
-    q, k, v, modes, bm, _ = _problem(gen, b=1, t=32, s=48, n=2, kh=1, bs=16)
+    q, k, v, modes, bm, _ = problem(gen, b=1, t=32, s=48, n=2, kh=1, bs=16)
     opts = dict(block_size=16, sink_blocks=1, local_blocks=1)
     out, lse = block_sparse_attention(q, k, v, modes, bm, implementation="triton", **opts)
     exp_out, exp_lse = block_sparse_attention(q, k, v, modes, bm, implementation="xla", **opts)
@@ -222,14 +184,14 @@ GPU_CONFIGS = {"default": None, **{c: kernel.Config(**dict(zip(
 def test_gpu_matches_reference(density, g, config="default"):
     gen = rng()
     kh = 4
-    q, k, v, modes, bm, lens = _problem(
+    q, k, v, modes, bm, lens = problem(
         gen, b=2, t=1536, s=2048, n=kh * g, kh=kh, bs=128, h=128, hv=128, dtype=jnp.bfloat16,
         q_lengths=[1536, 1000], kv_lengths=[2048, 1900], density=density)
     opts = dict(block_size=128, sink_blocks=1, local_blocks=4, **lens)
     run = jax.jit(lambda *a: kernel.block_sparse_attention(*a, config=GPU_CONFIGS[config],
                                                            **opts))
     out, lse = run(q, k, v, modes, bm)
-    f32 = [_clean(x).astype(jnp.float32) for x in (q, k, v)]
+    f32 = [clean(x).astype(jnp.float32) for x in (q, k, v)]
     exp_out, exp_lse = block_sparse_attention(*f32, modes, bm, implementation="xla", **opts)
     assert_close(out, exp_out, dtype=jnp.bfloat16)
     assert_close(lse, exp_lse, atol=1e-2, rtol=1e-3, allow_neg_inf=True)
