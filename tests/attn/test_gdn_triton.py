@@ -1,15 +1,15 @@
-"""The Triton GDN kernels against the reference: interpreted on CPU, compiled on GPU.
+"""The Triton GDN kernels: the shared base through the ops (`gdn_base`, interpreted on a CPU),
+then what is the kernels' own, against the reference, compiled on a GPU.
 
-Decode kernel on the slot pool: every case runs on a pool whose slots not carried by a live row
+Decode kernel on the slot pool: launch configs on a pool whose slots not carried by a live row
 (the null slot 0, free slots and the slot of a fresh request) hold NaN: outputs must match the
 reference on the clean pool, the live slots its new states, and every other slot must come back
 bitwise unchanged.
 
-Chunked prefill pipeline: lengths around the 64-token chunk, with and without initial states,
-varlen with empty and one-token sequences, against the reference and a float64 recurrence;
-outputs start as NaN in the interpreter, so an unwritten element fails. Launch configurations:
-the grid orders bitwise the defaults', the pair intra kernel against the per-head one,
-`default_config`'s picks, both kernels compiled for sm_90a.
+Chunked prefill pipeline: bf16 varlen with states, raw keys and padded dims against a float64
+recurrence; outputs start as NaN in the interpreter, so an unwritten element fails. Launch
+configurations: the grid orders bitwise the defaults', the pair intra kernel against the
+per-head one, `default_config`'s picks, both kernels compiled for sm_90a.
 """
 
 import dataclasses
@@ -26,7 +26,16 @@ from attn.gdn import _chunk_config as cfg
 from attn.gdn import reference as ref
 from attn.gdn import triton as kernel
 from attn.gdn import triton_chunk as tc
+from tests.attn.gdn_base import GdnTests
 from tests.utils import assert_close, case_id, compile_for_sm90, rng
+
+
+class TestTriton(GdnTests):
+    """The shared base through the ops on the Triton kernels (decode pool; the chunked pipeline
+    for `gdn_chunked` and `gdn_prefill_pool`), interpreted on a CPU."""
+
+    implementation = "triton"
+    float64_tol = 1e-5
 
 SLOTS = 9
 SLOT_IDS = np.asarray([5, 0, 2, 7], np.int32)  # row 1 is padding
@@ -90,22 +99,6 @@ def test_kernel_matches_reference(c):
     _check_pool_contract(o, new_pool, dirty, exp_o, exp_pool, SLOT_IDS)
 
 
-def test_nan_in_other_slots_changes_nothing_bitwise():
-    """A neighbour's NaN slot, a NaN null slot and a NaN stale slot of a fresh request: the same
-    outputs and new states, bit for bit, as with finite old states there."""
-    gen = rng()
-    xs, pool = _problem(gen, nk=2, nv=4, h=16, hv=16)
-    kw = dict(has_initial_state=jnp.asarray(HAS_INIT), use_qk_l2norm=True,
-              config=kernel.Config(block_hv=16))
-    o_a, p_a = kernel.gdn_decode_pool(*xs, jnp.asarray(pool), jnp.asarray(SLOT_IDS), **kw)
-    o_b, p_b = kernel.gdn_decode_pool(*xs, jnp.asarray(_poisoned(pool, SLOT_IDS, HAS_INIT)),
-                                      jnp.asarray(SLOT_IDS), **kw)
-    np.testing.assert_array_equal(_bits(o_a), _bits(o_b))
-    live = SLOT_IDS[SLOT_IDS > 0]
-    np.testing.assert_array_equal(_bits(np.asarray(p_a)[live]), _bits(np.asarray(p_b)[live]))
-    assert np.isfinite(np.asarray(o_b)).all()
-
-
 def test_stray_minus_one_is_padding_and_never_wraps():
     """-1 reads and writes nothing (in JAX it would wrap to the last slot); NaN inputs of padding
     rows still give exactly 0; no has_initial_state means every real row carries its state."""
@@ -119,19 +112,6 @@ def test_stray_minus_one_is_padding_and_never_wraps():
     exp_o, exp_pool = ref.gdn_decode_pool(q, k, v, g, beta, jnp.asarray(pool),
                                           jnp.asarray(slot_ids), use_qk_l2norm=True)
     _check_pool_contract(o, new_pool, pool, exp_o, exp_pool, slot_ids)
-
-
-def test_public_api_dispatches_to_the_kernel_under_jit():
-    """bf16 q/k/v through `attn.gdn.gdn_decode_pool(implementation="triton")` under jit: output
-    in q's dtype, float32 states."""
-    gen = rng()
-    xs, pool = _problem(gen, nk=2, nv=4, h=16, hv=16, dtype=jnp.bfloat16)
-    kw = dict(has_initial_state=jnp.asarray(HAS_INIT), use_qk_l2norm=True)
-    run = jax.jit(lambda *a: gdn.gdn_decode_pool(*a, **kw, implementation="triton"))
-    o, new_pool = run(*xs, jnp.asarray(pool), jnp.asarray(SLOT_IDS))
-    exp_o, exp_pool = ref.gdn_decode_pool(*xs, jnp.asarray(pool), jnp.asarray(SLOT_IDS), **kw)
-    assert o.dtype == jnp.bfloat16 and new_pool.dtype == jnp.float32
-    _check_pool_contract(o, new_pool, pool, exp_o, exp_pool, SLOT_IDS, dtype=jnp.bfloat16)
 
 
 def test_config_validation():
@@ -228,44 +208,6 @@ def _run(xs, h0, config=None, cu=None):
                           cu_seqlens=cu)
 
 
-@pytest.mark.parametrize("init", [True, False], ids=["state", "zero-state"])
-def test_chunked_kernel_matches_reference_and_float64(init):
-    """f32, GVA 1 -> 2 value heads (the pair intra kernel), H16 / Hv32, l2-norm (B2 with states,
-    B1 without): within 1e-5 of the float64 recurrence at every length, and (with a state)
-    within 1e-4 of the float32 XLA reference at T = 65 (the reference compiles per shape: one
-    length keeps the test fast)."""
-    gen = rng()
-    b = 2 if init else 1
-    for t in CHUNK_LENGTHS:
-        xs, h0 = _chunk_problem(gen, b=b, t=t, nk=1, nv=2, h=16, hv=32, init=init)
-        o, final = tc.gdn_chunked(*xs, initial_state=h0, use_qk_l2norm=True)
-        assert o.shape == xs[2].shape and o.dtype == jnp.float32
-        assert final.shape == (b, 2, 16, 32) and final.dtype == jnp.float32
-        if t == 65 and init:
-            exp_o, exp_final = ref_chunked(*xs, initial_state=h0, use_qk_l2norm=True)
-            # Two float32 chunked algorithms round differently: 1e-4 against each other.
-            assert_close(o, exp_o, atol=1e-4, rtol=1e-4, err_msg=f"T={t}")
-            assert_close(final, exp_final, atol=1e-4, rtol=1e-4, err_msg=f"T={t}")
-        o64, final64 = _recurrent64(*xs, h0)
-        assert_close(o, o64, atol=1e-5, rtol=1e-5, err_msg=f"T={t} vs float64")
-        assert_close(final, final64, atol=1e-5, rtol=1e-5, err_msg=f"T={t} vs float64")
-
-
-def test_chunked_kernel_varlen_against_per_sequence_float64():
-    """Packed sequences of 1, 63, 0, 65 and 64 tokens with their own states, GVA 1 -> 3 (the
-    per-head intra kernel): each sequence's outputs and final state equal the float64 recurrence
-    run on it alone; the empty one keeps its initial state."""
-    gen = rng()
-    lens = [1, 63, 0, 65, 64]
-    xs, h0, cu = _varlen_problem(gen, nk=1, nv=3, h=16, hv=16, dtype=jnp.float32, lens=lens)
-    o, final = tc.gdn_chunked(*xs, initial_state=h0, use_qk_l2norm=True, cu_seqlens=cu)
-    assert final.shape == (len(lens), 3, 16, 16)
-    for i, (lo, hi) in enumerate(itertools.pairwise(np.asarray(cu))):
-        o64, final64 = _recurrent64(*(x[:, lo:hi] for x in xs), h0[i:i + 1])
-        assert_close(o[:, lo:hi], o64, atol=1e-5, rtol=1e-5, err_msg=f"sequence {i}")
-        assert_close(final[i:i + 1], final64, atol=1e-5, rtol=1e-5, err_msg=f"sequence {i}")
-
-
 def test_chunked_kernel_bf16_varlen_with_states():
     """bf16 packed sequences of 1, 70, 0 and 64 tokens with their own initial states (GVA 1 ->
     2): each sequence against the float64 recurrence on the same bf16 values, by relative-norm
@@ -301,38 +243,6 @@ def test_chunked_kernel_bf16_raw_keys_and_padded_dims():
     assert o.dtype == jnp.bfloat16 and final.dtype == jnp.float32
     assert_close(o, exp_o, dtype=jnp.bfloat16)
     assert_close(final, exp_final, dtype=jnp.bfloat16)
-
-
-def test_chunked_public_api_and_pool_dispatch_to_the_kernel_under_jit():
-    """`gdn_chunked` and `gdn_prefill_pool` with implementation="triton" under jit: the pool's
-    NaN slots (null, free, a fresh request's stale slot) never leak in, padding rows give 0."""
-    gen = rng()
-    xs, _ = _chunk_problem(gen, b=4, t=9, nk=1, nv=2, h=16, hv=16, init=False)
-    pool = 0.5 * gen.standard_normal((SLOTS, 2, 16, 16)).astype(np.float32)
-    dirty = _poisoned(pool, SLOT_IDS, HAS_INIT)
-    kw = dict(has_initial_state=jnp.asarray(HAS_INIT), use_qk_l2norm=True)
-    run = jax.jit(lambda *a: gdn.gdn_prefill_pool(*a, **kw, implementation="triton"))
-    o, new_pool = run(*xs, jnp.asarray(dirty), jnp.asarray(SLOT_IDS))
-    exp_o, exp_pool = jax.jit(lambda *a: ref.gdn_prefill_pool(*a, **kw))(
-        *xs, jnp.asarray(pool), jnp.asarray(SLOT_IDS))
-    o, new_pool = np.asarray(o), np.asarray(new_pool)
-    live = SLOT_IDS > 0
-    # Two float32 chunked algorithms (the reference's WY in XLA, the kernel's block solve) round
-    # differently: 1e-4 against each other (the float64 tests above hold the kernel to 1e-5).
-    tol = dict(atol=1e-4, rtol=1e-4)
-    assert_close(o[live], np.asarray(exp_o)[live], **tol)
-    assert (o[~live] == 0).all(), "padding rows must output exactly 0"
-    assert_close(new_pool[SLOT_IDS[live]], np.asarray(exp_pool)[SLOT_IDS[live]], **tol)
-    # As the reference, the padding row writes its state to the null slot 0; no other slot moves.
-    untouched = ~np.isin(np.arange(SLOTS), SLOT_IDS)
-    np.testing.assert_array_equal(_bits(new_pool[untouched]), _bits(dirty[untouched]))
-
-    h0 = jnp.asarray(pool[1:5])
-    run = jax.jit(lambda *a: gdn.gdn_chunked(*a, initial_state=h0, implementation="triton"))
-    o, final = run(*xs)
-    exp_o, exp_final = ref_chunked(*xs, initial_state=h0)
-    assert_close(o, exp_o, **tol)
-    assert_close(final, exp_final, **tol)
 
 
 def test_chunked_kernel_gradient_is_the_references():
