@@ -43,7 +43,7 @@ lengths become 0. The e4m3 arrays keep the `[B, T, N, H]` / `[B, S, K, H]` layou
 gathers are unchanged and both dot operands are K-major (the features contiguous; `tl.trans(k)` is
 a view), which the fp8 wgmma needs for its shared-memory B operand (compiled for sm_90a: q and k
 tiles cp.async'd into 128-byte-swizzled shared memory, `wgmma m64n128k32 e4m3.e4m3` with B a
-transposed view, no copy; 114 registers, no spills, 96 KiB at 128 x 128 x 128, 3 stages, so two
+transposed view, no copy; 121 registers, no spills, 96 KiB at 128 x 128 x 128, 3 stages, so two
 programs per SM as bf16; `test_score_kernel_compiles_for_sm90`). The dot is `tl.dot(q8, k8ᵀ)` with
 f32 accumulation (Triton's default on sm_90: the tensor cores' fast fp8 accumulation, no
 promotion); the two scales multiply the f32 scores before the softmax; everything after is the bf16
@@ -98,7 +98,7 @@ class Config:
     at `stride·H`), `num_stages` slices in flight. Defaults for Hopper bf16 at H = 128, stride
     16: 128 x 128 tiles (64 FLOP per byte of q/k tile traffic; the operands are re-read from L2
     per tile as in any GEMM), 64-feature slices, 8 warps (two warpgroups of 64 rows), 3 stages:
-    ptxas for sm_90a gives 116 registers, no spills, 96 KiB of shared memory, so two programs
+    ptxas for sm_90a gives 119 registers, no spills, 96 KiB of shared memory, so two programs
     fit an SM. Not timed on a GPU yet; `tests/attn/test_xattention_triton.py: SWEEP` lists the
     shapes to sweep (all compile without spills). `scratch_bytes` bounds the per-(row, key
     block) scratch of one launch; more (request, head) pairs than fit run in further launches.

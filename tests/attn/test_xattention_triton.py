@@ -7,11 +7,6 @@ sweep tries) runs in at least one interpreted case."""
 import dataclasses
 import itertools
 import math
-import os
-import re
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +15,10 @@ import pytest
 
 import attn
 from attn._harness import triton_call
+from attn._op import device_facts
 from attn.xattention import reference, xattn_estimate
 from attn.xattention import triton as kernel
-from tests.utils import assert_close, poison, randn, rng
+from tests.utils import assert_close, compile_for_sm90, poison, randn, rng
 
 triton, tl = kernel.triton, kernel.tl  # imported by `attn` first (interpreter set-up)
 
@@ -402,63 +398,41 @@ def test_fp8_selects_planted_blocks():
     np.testing.assert_array_equal(np.asarray(public), expect)
 
 
-_AOT = textwrap.dedent("""
-    import os, re, subprocess, sys, tempfile
-    os.environ["TRITON_INTERPRET"] = "0"
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from attn.xattention import triton as kt
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+def _sm90_jobs():
+    """The score kernel at S32K N32 / K8 H128 stride 16 for each tiling (and the block-sum kernel
+    on its scratch), then the e4m3 quantisation pass (`compile_for_sm90` jobs)."""
     t = s = 32768
-    for name, cfg in (("bf16", kt.Config()), ("fp8", kt.Config(fp8=True, block_k=128)),
-                      ("fp8-s4", kt.Config(fp8=True, num_stages=4)), ("fp8-api", kt.FP8_CONFIG)):
+    jobs = []
+    for name, cfg in (("bf16", kernel.Config()), ("fp8", kernel.Config(fp8=True, block_k=128)),
+                      ("fp8-s4", kernel.Config(fp8=True, num_stages=4)),
+                      ("fp8-api", kernel.FP8_CONFIG)):
+        nt = s // 16 // cfg.block_c
         consts = dict(T=t, S=s, K=8, G=4, H=128, ST=16, R=8, RT=t // 16, SB=s // 128,
                       BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, BLOCK_K=cfg.block_k,
-                      BLOCK_H=128, PRECISION="tf32", FP8=cfg.fp8, WARP_SPECIALIZE=False,
-                      NT=s // 16 // cfg.block_c)
-        names = kt._tile_lse_kernel.arg_names
-        types = dict(q_ptr="*fp8e4nv" if cfg.fp8 else "*bf16", scale_ptr="*fp32",
-                     lse_ptr="*fp32", tile_lse_ptr="*fp32", q_scale_ptr="*fp32",
-                     k_scale_ptr="*fp32")
-        types["k_ptr"] = types["q_ptr"]
-        sig = {n: "constexpr" if n in consts else types.get(n, "*i32") for n in names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
-        c = triton.compile(ASTSource(fn=kt._tile_lse_kernel, signature=sig, constexprs=consts,
-                                     attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(c.asm["ptx"])
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                           capture_output=True, text=True, check=True)
-        mma = sorted(set(re.findall(r"wgmma\\.mma_async\\.[\\w.]+", c.asm["ptx"])))
-        print("AOT", name, ",".join(mma), c.metadata.shared, r.stderr.replace("\\n", " "))
-        # The block-sum kernel on this tiling's scratch compiles too.
-        bconsts = dict(N=32, R=8, RT=t // 16, TB=t // 128, SB=s // 128, QB=8, BLOCK_J=64,
-                       NT=consts["NT"], BLOCK_NT=consts["NT"], TILE_COLS=cfg.block_c,
-                   TILE_ROW_STRIDE=consts["NT"], TILE_STRIDE=1)
-        bnames = kt._block_sums_kernel.arg_names
-        bsig = {n: "constexpr" if n in bconsts else "*fp32" if n in ("lse_ptr", "tile_lse_ptr",
-                                                                    "sums_ptr") else "*i32"
-                for n in bnames}
-        triton.compile(ASTSource(fn=kt._block_sums_kernel, signature=bsig, constexprs=bconsts),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    consts = dict(L=t, NH=32, H=128, ST=16, MP=t // 16, BLOCK_N=2, BLOCK_H=128, NHB=16)
-    names = kt._quantize_kernel.arg_names
-    types = dict(x_ptr="*bf16", len_ptr="*i32", x8_ptr="*fp8e4nv", scale_ptr="*fp32")
-    sig = {n: "constexpr" if n in consts else types[n] for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
-    c = triton.compile(ASTSource(fn=kt._quantize_kernel, signature=sig, constexprs=consts,
-                                 attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, num_stages=1))
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(c.asm["ptx"])
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                       capture_output=True, text=True, check=True)
-    cvt = sorted(set(re.findall(r"cvt\\.rn\\.satfinite\\.e4m3x2\\.f32", c.asm["ptx"])))
-    print("AOT quantize", ",".join(cvt) or "-", 0, r.stderr.replace("\\n", " "))
-""")
+                      BLOCK_H=128, PRECISION="tf32", FP8=cfg.fp8, WARP_SPECIALIZE=False, NT=nt)
+        operand = "*fp8e4nv" if cfg.fp8 else "*bf16"
+        types = dict(q_ptr=operand, k_ptr=operand, scale_ptr="*fp32", lse_ptr="*fp32",
+                     tile_lse_ptr="*fp32", q_scale_ptr="*fp32", k_scale_ptr="*fp32")
+        jobs.append(dict(
+            kernel="attn.xattention.triton:_tile_lse_kernel", num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, constexprs=consts, label=name,
+            pointers={n: types.get(n, "*i32") for n in kernel._tile_lse_kernel.arg_names
+                      if n not in consts},
+            count=("wgmma.mma_async", ".f32.e4m3.e4m3", ".f32.bf16.bf16")))
+        bconsts = dict(N=32, R=8, RT=t // 16, TB=t // 128, SB=s // 128, QB=8, BLOCK_J=64, NT=nt,
+                       BLOCK_NT=nt, TILE_COLS=cfg.block_c, TILE_ROW_STRIDE=nt, TILE_STRIDE=1)
+        jobs.append(dict(
+            kernel="attn.xattention.triton:_block_sums_kernel", num_warps=4, num_stages=1,
+            constexprs=bconsts, label=f"{name}-block-sums",
+            pointers={n: "*fp32" if n in ("lse_ptr", "tile_lse_ptr", "sums_ptr") else "*i32"
+                      for n in kernel._block_sums_kernel.arg_names if n not in bconsts}))
+    qconsts = dict(L=t, NH=32, H=128, ST=16, MP=t // 16, BLOCK_N=2, BLOCK_H=128, NHB=16)
+    jobs.append(dict(kernel="attn.xattention.triton:_quantize_kernel", num_warps=4, num_stages=1,
+                     constexprs=qconsts, label="quantize",
+                     pointers=dict(x_ptr="*bf16", len_ptr="*i32", x8_ptr="*fp8e4nv",
+                                   scale_ptr="*fp32"),
+                     count=("cvt.rn.satfinite.e4m3x2.f32",)))
+    return jobs
 
 
 @pytest.mark.slow
@@ -466,29 +440,23 @@ def test_score_kernel_compiles_for_sm90():
     """Compile the score kernel for Hopper on any machine (no GPU): the fp8 configuration issues
     e4m3 x e4m3 wgmma (both operands K-major from shared memory: no transpose needed), spills
     nothing, and fits two programs per SM like bf16 (<= 128 registers x 256 threads, <= 113 KiB
-    shared memory). At the time of writing ptxas gave 116 (bf16) and 114 (fp8) registers. The
-    quantisation pass rounds with `cvt.rn.satfinite` (what the interpreter fix emulates). The
-    API's fp8 tiles (`FP8_CONFIG`, 128 x 256) run one program per SM (255 registers, 144 KiB, no
-    spills); the block-sum kernel compiles for each tiling."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True,
-                         check=True, cwd=root).stdout
-    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("AOT ")}
-    assert set(lines) == {"bf16", "fp8", "fp8-s4", "fp8-api", "quantize"}, out
-    quantize = lines.pop("quantize")  # the e4m3 pass: the GPU's rounding, no spills
-    assert "cvt.rn.satfinite.e4m3x2.f32" in quantize
-    assert re.search(r"\b0 bytes spill stores", quantize), quantize
-    for name, line in lines.items():
-        _, _, mma, shared = line.split()[:4]
-        dtype = "e4m3.e4m3" if name.startswith("fp8") else "bf16.bf16"
-        assert mma and all(m.endswith(f".f32.{dtype}") for m in mma.split(",")), line
-        assert re.search(r"\b0 bytes spill stores", line), line
-        if name == "fp8-api":  # 128 x 256: one program per SM (255 registers, 144 KiB)
-            assert int(shared) <= 227 * 1024, line
+    shared memory). The quantisation pass rounds with `cvt.rn.satfinite` (what the interpreter
+    fix emulates). The API's fp8 tiles (`FP8_CONFIG`, 128 x 256) run one program per SM (within
+    the device's shared memory, no spills); the block-sum kernel compiles for each tiling."""
+    jobs = _sm90_jobs()
+    results = {job["label"]: r for job, r in zip(jobs, compile_for_sm90(jobs), strict=True)}
+    quantize = results.pop("quantize")  # the e4m3 pass: the GPU's rounding, no spills
+    assert quantize["count"]["cvt.rn.satfinite.e4m3x2.f32"] > 0 and not quantize["spill_stores"]
+    for name in ("bf16", "fp8", "fp8-s4", "fp8-api"):
+        r = results[name]
+        mma = r["count"]["wgmma.mma_async"]
+        dtype = ".f32.e4m3.e4m3" if name.startswith("fp8") else ".f32.bf16.bf16"
+        assert mma > 0 and r["count"][dtype] == mma, (name, r)
+        assert r["spill_stores"] == 0, (name, r)
+        if name == "fp8-api":  # 128 x 256: one program per SM
+            assert r["shared"] <= device_facts().shared_memory, r
             continue
-        assert int(re.search(r"Used (\d+) registers", line).group(1)) <= 128, line
-        assert int(shared) <= 113 * 1024, line
+        assert r["registers"] <= 128 and r["shared"] <= 113 * 1024, (name, r)
 
 
 @pytest.mark.gpu
