@@ -7,11 +7,6 @@ The interpreter runs one numpy op per kernel op, so CPU cases are tiny and use 6
 are NaN-poisoned wherever lengths are given.
 """
 
-import os
-import re
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +16,15 @@ import pytest
 import attn
 from attn.dense import attention
 from attn.dense import triton as kernel
-from tests.utils import AttentionTestBase, assert_close, case_id, poison, randn, rng
+from tests.utils import (
+    AttentionTestBase,
+    assert_close,
+    case_id,
+    compile_for_sm90,
+    poison,
+    randn,
+    rng,
+)
 
 SMALL = kernel.Config(block_m=64, block_n=32)
 B, T, S, K, G, H, HV = 2, 37, 130, 2, 5, 32, 24  # the shared CPU shape: 3 query tiles per head
@@ -169,63 +172,49 @@ def test_unsupported_and_config_validation():
         kernel.Config(num_stages=0)
 
 
-_AOT = textwrap.dedent("""
-    import os, subprocess, sys, tempfile
-    os.environ["TRITON_INTERPRET"] = "0"
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+def _sm90_jobs():
+    """The forward and both backward kernels at their default tiles, B1 S8K N32 / K8 H128 causal
+    (`compile_for_sm90` jobs)."""
     from attn.dense import _flash_bwd as kb
-    from attn.dense import triton as kt
 
-    cfg = kt.default_config(128)
+    cfg = kernel.default_config(128)
     dims = dict(B=1, T=8192, S=8192, K=8, G=4, H=128, HV=128, BLOCK_H=128, BLOCK_HV=128,
                 PRECISION="tf32", CAUSAL=True)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-    num_m = triton.cdiv(8192 * 4, cfg.block_m)
-    num_m_bwd = triton.cdiv(8192 * 4, cfg.dq_block_m)
-    fwd = dict(SCALE_LOG2=0.13, NUM_M=num_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAP=0.0)
-    dq = dict(SCALE=0.09, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, NUM_M=num_m_bwd)
+    fwd = dict(SCALE_LOG2=0.13, NUM_M=-(-8192 * 4 // cfg.block_m), BLOCK_M=cfg.block_m,
+               BLOCK_N=cfg.block_n, CAP=0.0)
+    dq = dict(SCALE=0.09, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
+              NUM_M=-(-8192 * 4 // cfg.dq_block_m))
     dkv = dict(SCALE=0.09, BLOCK_M=cfg.dkv_block_m, BLOCK_N=cfg.dkv_block_n)
-    for kernel, consts, warps, stages in (
-            (kt._flash_fwd_kernel, fwd, cfg.num_warps, cfg.num_stages),
-            (kb._flash_bwd_dq_kernel, dq, cfg.bwd_num_warps, cfg.bwd_num_stages),
-            (kb._flash_bwd_dkdv_kernel, dkv, cfg.bwd_num_warps, cfg.bwd_num_stages)):
+    jobs = []
+    for module, fn, consts, warps, stages in (
+            ("attn.dense.triton", kernel._flash_fwd_kernel, fwd, cfg.num_warps, cfg.num_stages),
+            ("attn.dense._flash_bwd", kb._flash_bwd_dq_kernel, dq, cfg.bwd_num_warps,
+             cfg.bwd_num_stages),
+            ("attn.dense._flash_bwd", kb._flash_bwd_dkdv_kernel, dkv, cfg.bwd_num_warps,
+             cfg.bwd_num_stages)):
         consts = consts | dims
-        names = kernel.arg_names
-        types = {n: "*i32" for n in names if n.startswith(("offset", "len", "window", "sink"))}
-        types |= {n: "*fp32" for n in names if n.startswith(("lse", "delta"))}
-        sig = {n: "constexpr" if n in consts else types.get(n, "*bf16") for n in names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
-        src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=warps, num_stages=stages))
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(c.asm["ptx"])
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                           capture_output=True, text=True, check=True)
-        print(kernel.__name__, c.asm["ptx"].count("wgmma.mma_async"), r.stderr.replace("\\n", " "))
-""")
+        pointers = {}
+        for n in fn.arg_names:
+            if n not in consts:
+                pointers[n] = ("*i32" if n.startswith(("offset", "len", "window", "sink"))
+                               else "*fp32" if n.startswith(("lse", "delta")) else "*bf16")
+        jobs.append(dict(kernel=f"{module}:{fn.__name__}", constexprs=consts, pointers=pointers,
+                         num_warps=warps, num_stages=stages, count=("wgmma.mma_async",)))
+    return jobs
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_within_spill_limits():
     """Compile the three kernels for Hopper on any machine (no GPU needed): the default tiles use
     wgmma and spill no registers, but for a few bytes in dK / dV (ptxas -v)."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    out = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True,
-                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
-                             os.path.abspath(__file__))))).stdout
-    lines = [line for line in out.splitlines() if line.startswith("_flash_")]
-    assert len(lines) == 3, out
     # dK / dV at 64 rows x 128 keys, 3 stages, holds two 128 x 128 f32 accumulators and spills a
     # few bytes; it still outruns the spill-free 32-row tiles (`default_config`).
     spill_limit = {"_flash_fwd_kernel": 0, "_flash_bwd_dq_kernel": 0, "_flash_bwd_dkdv_kernel": 64}
-    for line in lines:
-        name, wgmma = line.split()[:2]
-        assert int(wgmma) > 0, f"{name}: no wgmma"
-        spilled = int(re.search(r"\b(\d+) bytes spill stores", line).group(1))
-        assert spilled <= spill_limit[name], line
+    results = compile_for_sm90(_sm90_jobs())
+    assert [r["name"] for r in results] == list(spill_limit)
+    for r in results:
+        assert r["count"]["wgmma.mma_async"] > 0, f"{r['name']}: no wgmma"
+        assert r["spill_stores"] <= spill_limit[r["name"]], r
 
 
 # GPU: realistic shapes, bf16 kernel vs the reference on float32-upcast inputs.
