@@ -26,15 +26,8 @@ from models.families.qwen3 import Qwen3ForCausalLM
 from tests.models import tiny
 from tests.utils import assert_close
 
-SINK, LOCAL = 16, 32
-FIELDS = dict(enable_ada_sparsity=True, use_softmax=True, pooling_mode="ctx_q",
-              retrieval_mode="xattn", toggle_type="streaming", block_size=16,
-              longctx_testing_small_blocks=True, xattn_stride=8, xattn_threshold=0.6,
-              sink_size=SINK, local_window_size=LOCAL)
-# 13 allocatable pages per head: two growing requests do not fit (preemption); one shape for
-# every test, so one compiled step per kind and mode.
-SHAPE = dict(batch_slots=2, max_len=96, page_size=8, chunk=64, num_pages=14,
-             implementation="xla")
+SINK, LOCAL = tiny.PAW_SINK, tiny.PAW_LOCAL
+FIELDS, SHAPE = tiny.PAW_FIELDS, tiny.PAW_ENGINE_SHAPE
 WIDTH = 96  # reference forwards run at one padded width (one compile)
 STREAM = -1
 

@@ -12,7 +12,6 @@ import pytest
 
 import models
 from models.engine import Engine, Policy, Request, SamplingParams
-from tests.models import test_engine_hybrid as hybrid
 from tests.models import tiny
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +23,7 @@ def _model(family, tmp_path_factory):
     if family == "llama":
         tiny.save_tiny("llama", path, ids=tiny.token_ids(1, 4))
     else:
-        hybrid._save(family, path)
+        tiny.save_hybrid(family, path)
     return models.from_pretrained(path, progress=False)
 
 

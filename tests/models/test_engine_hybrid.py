@@ -33,58 +33,6 @@ WIDTH = 64  # reference forwards run at one padded width (causal: padding after 
 ROWS = 5  # ... and batch
 FAMILIES = ["qwen3_next", "qwen3_5", "deepseek_v3", "deepseek_v2"]
 
-_QWEN = dict(vocab_size=tiny.VOCAB, hidden_size=32, num_hidden_layers=2,
-             layer_types=["linear_attention", "full_attention"],
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             max_position_embeddings=512, linear_conv_kernel_dim=4, linear_key_head_dim=8,
-             linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-             initializer_range=0.1, rms_norm_eps=1e-6,
-             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                              "partial_rotary_factor": 0.5})
-_DEEPSEEK = dict(vocab_size=tiny.VOCAB, hidden_size=32, intermediate_size=64,
-                 moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
-                 num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
-                 qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
-                 num_experts_per_tok=2, n_shared_experts=1, max_position_embeddings=512,
-                 initializer_range=0.1, rms_norm_eps=1e-6)
-# family -> (HF model class, HF config class, config overrides)
-HF = {
-    # MoE layer 0 (routed + shared expert), dense layer 1.
-    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(
-        _QWEN, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=16, shared_expert_intermediate_size=16, mlp_only_layers=[1])),
-    "qwen3_5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(_QWEN, intermediate_size=64)),
-    # q LoRA, interleaved rope, noaux_tc router over 2 groups.
-    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
-        _DEEPSEEK, q_lora_rank=16, n_group=2, topk_group=1, rope_interleave=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-    # q_proj (no LoRA), complex rope, greedy softmax router.
-    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
-        _DEEPSEEK, q_lora_rank=None, topk_method="greedy",
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-}
-
-
-def _save(family: str, path: str) -> None:
-    """Build, perturb (norms, biases; realistic GDN decays) and save a tiny HF model."""
-    import torch
-
-    t = tiny._transformers()
-    model_cls, config_cls, overrides = HF[family]
-    torch.manual_seed(0)
-    model = getattr(t, model_cls)(getattr(t, config_cls)(**overrides)).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):  # per-token decay mostly 0.7-0.99: state matters
-                p.copy_(torch.empty(p.shape).uniform_(0.05, 1.0, generator=g).log())
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.empty(p.shape).uniform_(-3.0, 0.0, generator=g))
-            elif p.ndim == 1:
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def load(tmp_path_factory):
     cache = {}
@@ -92,7 +40,7 @@ def load(tmp_path_factory):
     def get(family):
         if family not in cache:
             path = str(tmp_path_factory.mktemp(f"engine_{family}"))
-            _save(family, path)
+            tiny.save_hybrid(family, path)
             cache[family] = models.from_pretrained(path, progress=False)
         return cache[family]
 

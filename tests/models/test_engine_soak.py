@@ -138,10 +138,8 @@ def test_soak_llama_fp8_kv(llama):
 @pytest.mark.slow
 def test_soak_mla_deepseek_v3(tmp_path_factory):
     """The MLA path: one latent head per layer, tables checked like the attention ones."""
-    from tests.models.test_engine_hybrid import _save
-
     path = str(tmp_path_factory.mktemp("soak_deepseek"))
-    _save("deepseek_v3", path)
+    tiny.save_hybrid("deepseek_v3", path)
     engine = Engine(models.from_pretrained(path, progress=False), **SHAPE)
     soak(engine, 10_000, seed=3)
     assert engine.stats["preemptions"] > 0
@@ -151,12 +149,9 @@ def test_soak_mla_deepseek_v3(tmp_path_factory):
 def test_soak_elastic_pawqwen3():
     """The elastic path: routed one-chunk prompts, streaming heads giving pages back after
     routing, preemption re-routing; tables checked like the others."""
-    from tests.models.test_engine_elastic import FIELDS
-    from tests.models.test_engine_elastic import SHAPE as ELASTIC_SHAPE
-
-    cfg = dict(tiny.base_config("qwen3"), architectures=["PawQwen3ForCausalLM"], **FIELDS)
+    cfg = dict(tiny.base_config("qwen3"), architectures=["PawQwen3ForCausalLM"], **tiny.PAW_FIELDS)
     model = paw.PawQwen3ForCausalLM(paw.config_from_hf(HFConfig(cfg, source="tiny")),
                                     rngs=nnx.Rngs(0))
-    engine = Engine(model, **ELASTIC_SHAPE, elastic=True)
+    engine = Engine(model, **tiny.PAW_ENGINE_SHAPE, elastic=True)
     soak(engine, 10_000, seed=4, max_prompt=engine.chunk)
     assert engine.stats["preemptions"] > 0

@@ -156,3 +156,70 @@ def write_llama_gguf(path: str, model, *, tied: bool, quant: bool = True,
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+_QWEN = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+             layer_types=["linear_attention", "full_attention"],
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=512, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+             linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+             initializer_range=0.1, rms_norm_eps=1e-6,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                              "partial_rotary_factor": 0.5})
+_DEEPSEEK = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                 moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
+                 num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+                 qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                 num_experts_per_tok=2, n_shared_experts=1, max_position_embeddings=512,
+                 initializer_range=0.1, rms_norm_eps=1e-6)
+# Hybrid (GDN + gated attention) and MLA families: family -> (HF model class, HF config class,
+# config overrides).
+HYBRID_HF = {
+    # MoE layer 0 (routed + shared expert), dense layer 1.
+    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(
+        _QWEN, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, mlp_only_layers=[1])),
+    "qwen3_5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(_QWEN, intermediate_size=64)),
+    # q LoRA, interleaved rope, noaux_tc router over 2 groups.
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        _DEEPSEEK, q_lora_rank=16, n_group=2, topk_group=1, rope_interleave=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # q_proj (no LoRA), complex rope, greedy softmax router.
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
+        _DEEPSEEK, q_lora_rank=None, topk_method="greedy",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+
+
+def save_hybrid(family: str, path: str) -> None:
+    """Build, perturb (norms, biases; realistic GDN decays) and save a tiny hybrid or MLA HF model
+    (`HYBRID_HF`), as the engine tests use them."""
+    import torch
+
+    t = _transformers()
+    model_cls, config_cls, overrides = HYBRID_HF[family]
+    torch.manual_seed(0)
+    model = getattr(t, model_cls)(getattr(t, config_cls)(**overrides)).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # per-token decay mostly 0.7-0.99: state matters
+                p.copy_(torch.empty(p.shape).uniform_(0.05, 1.0, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.empty(p.shape).uniform_(-3.0, 0.0, generator=g))
+            elif p.ndim == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(path)
+
+
+# Elastic PawQwen3 (block 16 via `testing_small_blocks`, XAttention retrieval heads, streaming
+# sparse heads with sink 16 + window 32) and the engine shape its tests share.
+PAW_SINK, PAW_LOCAL = 16, 32
+PAW_FIELDS = dict(enable_ada_sparsity=True, use_softmax=True, pooling_mode="ctx_q",
+              retrieval_mode="xattn", toggle_type="streaming", block_size=16,
+              longctx_testing_small_blocks=True, xattn_stride=8, xattn_threshold=0.6,
+              sink_size=PAW_SINK, local_window_size=PAW_LOCAL)
+# 13 allocatable pages per head: two growing requests do not fit (preemption); one shape for
+# every test, so one compiled step per kind and mode.
+PAW_ENGINE_SHAPE = dict(batch_slots=2, max_len=96, page_size=8, chunk=64, num_pages=14,
+             implementation="xla")
