@@ -39,7 +39,8 @@ def backward(pl: dict, saved: dict, do, dfinal, dtypes: dict):
 
     Args:
       pl: `triton_chunk.plan` of the forward's arguments.
-      saved: the saving forward's residuals: `gcum, w, kn, p, hs, vn`.
+      saved: the saving forward's residuals: `gcum, w, kn, p, hs, vn` and the output `o`
+        (token-major).
       do: `[B, T, Nv, Hv]` the output's cotangent; dfinal `[Ns, Nv, H, Hv]` the final state's.
       dtypes: `q, k, v, g, beta` -> the dtype of that input (and of its cotangent).
 
@@ -89,11 +90,11 @@ def stages(pl: dict, saved: dict, dtypes: dict):
     def dqk(dh, dvn, do):
         return triton_call(
             x["q2"], x["k2"], saved["gcum"], x["cstart"], x["clen"], saved["hs"], dh,
-            saved["vn"], dvn, do, saved["p"],
+            saved["vn"], dvn, do, saved["p"], saved["o"],
             kernel=dqk_kernel,
             out_shape=(sds((n_tok, nk, h), dtypes["q"]), sds((n_tok, nk, h), jnp.float32),
                        sds((n_tok, nv, h), inter), sds((n_tok, nv), jnp.float32)),
-            grid=grid, num_warps=config.dqk_warps, num_stages=1,
+            grid=grid, num_warps=config.dqk_warps, num_stages=config.dqk_stages,
             BV=min(config.dqk_block_v, pl["block_hv"]), **chunk, **common,
         )
 

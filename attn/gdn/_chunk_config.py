@@ -44,13 +44,16 @@ class Config:
     # of W, K, Q, P hit L2). Sequences <= 65535.
     state_slice_major: bool = False
     # Backward (`_chunk_bwd.py`). The saving forward state pass and the reverse one take the state
-    # kernel's slice width, stages and grid order and `bwd_state_warps`; the chunk-parallel
-    # kernels take the intra grid's order and these (8 warps and 16-wide value steps: no register
-    # spills on sm_90a at H = Hv = 128).
+    # kernel's slice width, stages and grid order, and `bwd_state_warps`; the chunk-parallel
+    # kernels take the intra grid's order and these. H100, B1 T32K, Nk16 Nv32 H = Hv = 128, bf16:
+    # dqk 1.87 ms at 64-wide value steps (3.43 at 16-wide, 2.01 at 32-wide and 2 stages), wy
+    # 1.26 ms at 4 warps (2.02 at 8), dk 0.52 ms at 4 warps (0.78 at 8), the state passes fastest
+    # at 4 warps (dstate 1.24 ms, 1.46 at 8).
     bwd_state_warps: int = 4
     dqk_warps: int = 8
-    dqk_block_v: int = 16  # value features per step of dqk_kernel's loop over Hv
-    wy_warps: int = 8
+    dqk_block_v: int = 64  # value features per step of dqk_kernel's loop over Hv
+    dqk_stages: int = 1  # software-pipeline depth of that loop
+    wy_warps: int = 4
     dk_warps: int = 4
 
     def __post_init__(self):
@@ -63,8 +66,9 @@ class Config:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 1")
-        if self.state_stages < 1:
-            raise ValueError(f"{self.state_stages=} must be >= 1")
+        for name in ("state_stages", "dqk_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
 
 def state_smem(h: int, hv_slice: int, itemsize: int, stages: int) -> int:
@@ -102,10 +106,8 @@ def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1, *,
             if state_smem(h, min(w, max(16, triton.next_power_of_2(hv))), itemsize, s)
             <= facts.shared_memory]
     _, width, stages = min(fits, key=lambda f: (f[0], -f[2], f[1])) if fits else (0, 32, 2)
-    # The backward's state passes hold a second [C, BLOCK_HV] tile (dO or the saved V_new): at
-    # 64-wide slices 4 warps spill on sm_90a, 8 do not.
     return Config(block_hv_state=width, state_warps=4, state_stages=stages, intra_pairs=pairs,
-                  bwd_state_warps=8 if width >= 64 else 4, **majors)
+                  **majors)
 
 
 def intra_grid(config: Config, nv: int, n_chunks: int) -> tuple[int, int]:

@@ -121,7 +121,7 @@ def _forward_saving(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_q
     gcum, w, u, kn, p = intra_stage(pl)(x["q2"], x["k2"], x["v2"], x["g2"], x["beta2"], *tables)
     final, o, hs, vn = state_stage(pl, state_save_kernel, extra, cfg.bwd_state_launch)(
         kn, w, u, gcum, *tables, x["sfirst"], x["scount"], x["h0"], x["q2"], p)
-    saved = dict(gcum=gcum, w=w, kn=kn, p=p, hs=hs, vn=vn)
+    saved = dict(gcum=gcum, w=w, kn=kn, p=p, hs=hs, vn=vn, o=o)
     return (o.reshape(v.shape), final), saved
 
 

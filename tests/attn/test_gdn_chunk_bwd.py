@@ -93,6 +93,8 @@ CASES = {  # (B, T, Nk, Nv, H, Hv, initial state, cotangents, l2-norm)
     "T63-gva2-nostate": (1, 63, 1, 2, 16, 32, False, "both", True),
     "T64-gva1-state-outonly": (2, 64, 2, 2, 16, 16, True, "output", True),
     "T65-gva3-state": (1, 65, 1, 3, 16, 16, True, "both", True),
+    # Only the final state's cotangent: gates near 1, or d(initial state) would be the product of
+    # 200 decays (~1e-26), rounding noise in both implementations.
     "T200-gva2-state-stateonly": (1, 200, 2, 4, 32, 16, True, "state", True),
     "T130-raw-padded": (1, 130, 1, 2, 24, 20, True, "both", False),
 }
@@ -103,6 +105,9 @@ def test_float32_gradients_match_reference(case):
     b, t, nk, nv, h, hv, init, cot, l2 = case
     gen = rng()
     xs, h0 = _problem(gen, b=b, t=t, nk=nk, nv=nv, h=h, hv=hv, init=init)
+    if cot == "state":
+        xs = (*xs[:3], jnp.asarray(np.log(gen.uniform(0.97, 0.999, xs[3].shape)), jnp.float32),
+              xs[4])
     if not l2:  # keys of about unit norm, as the l2-norm would make them (a stable recurrence)
         xs = (xs[0], xs[1] * h**-0.5, *xs[2:])
     do, ds = _cotangents(gen, xs[2], b, h, cot)
@@ -229,10 +234,10 @@ def _sm90_bwd_jobs(config, t_row):
         dict(kernel="attn.gdn._chunk_bwd_intra:dqk_kernel",
              pointers=dict(q_ptr=bf, k_ptr=bf, gcum_ptr=f32, cstart_ptr=i32, clen_ptr=i32,
                            hs_ptr=bf, dh_ptr=bf, vn_ptr=bf, dvn_ptr=bf, do_ptr=bf, p_ptr=bf,
-                           dq_ptr=bf, dk1_ptr=f32, dw_ptr=bf, dg1_ptr=f32),
+                           o_ptr=bf, dq_ptr=bf, dk1_ptr=f32, dw_ptr=bf, dg1_ptr=f32),
              constexprs=dict(common, SCALE=128 ** -0.5, EPS=1e-6, L2NORM=True, BLOCK_HV=128,
                              BV=config.dqk_block_v, HEAD_MAJOR=config.intra_head_major),
-             num_warps=config.dqk_warps, num_stages=1),
+             num_warps=config.dqk_warps, num_stages=config.dqk_stages),
         dict(kernel="attn.gdn._chunk_bwd_intra:wy_kernel",
              pointers=dict(kn_ptr=bf, v_ptr=bf, gcum_ptr=f32, beta_ptr=f32, cstart_ptr=i32,
                            clen_ptr=i32, dw_ptr=bf, dvn_ptr=bf, dg1_ptr=f32, dv_ptr=bf,
@@ -249,15 +254,22 @@ def _sm90_bwd_jobs(config, t_row):
     ]
 
 
+# Spill stores (bytes) the backward's defaults may have on sm_90a: the fastest measured launches
+# of dqk_kernel (8 warps, 64-wide value steps), wy_kernel (4 warps) and the state passes at
+# 64-wide slices spill a little (measured 28, 280, 64 and 128 bytes); heavy spilling (the
+# per-key-head wy accumulator's 800+) fails.
+SPILL_BOUND = 384
+
+
 def test_backward_kernels_compile_for_sm90():
     """Triton's compiler (sm_90a, bundled ptxas, no GPU) on the backward's kernels as the B1 T32K
-    and B8 T4K defaults launch them, bf16 at the model's heads: no register spills, and the
-    sequential kernels' shared memory within `state_smem`'s estimate."""
+    and B8 T4K defaults launch them, bf16 at the model's heads: spills within `SPILL_BOUND`, and
+    the sequential kernels' shared memory within `state_smem`'s estimate."""
     configs = [tc.default_config(b, MODEL["nv"], MODEL["hv"], nk=MODEL["nk"]) for b in (1, 8)]
     jobs = _sm90_bwd_jobs(configs[0], 32768) + _sm90_bwd_jobs(configs[1], 4096)[:2]
     results = compile_for_sm90(jobs)
     for r in results:
-        assert r["spill_stores"] == 0, r
+        assert r["spill_stores"] <= SPILL_BOUND, r
     for config, rs in ((configs[0], results[:2]), (configs[1], results[5:])):
         bound = cfg.state_smem(128, config.block_hv_state, 2, config.state_stages)
         for r in rs:
