@@ -628,6 +628,19 @@ def _fla_chunk_fwd_bwd(ctx, arrays, *, scale: float):
     return *result, note
 
 
+def gdn_fwd_bwd_inputs(key, *, b, t, nk, nv, h, hv):
+    """bf16 q, k, v, float32 g (decay 0.4..0.99), β (0.05..0.95), an initial state, and the
+    cotangents: dO bf16, d(final state) float32 (drawn on the device: numpy takes seconds a
+    case at T32K)."""
+    ks = jax.random.split(key, 8)
+    normal = lambda i, shape, dtype=jnp.bfloat16: jax.random.normal(ks[i], shape).astype(dtype)
+    uniform = lambda i, lo, hi: jax.random.uniform(ks[i], (b, t, nv), jnp.float32, lo, hi)
+    return (normal(0, (b, t, nk, h)), normal(1, (b, t, nk, h)), normal(2, (b, t, nv, hv)),
+            jnp.log(uniform(3, 0.4, 0.99)), uniform(4, 0.05, 0.95),
+            0.5 * normal(5, (b, nv, h, hv), jnp.float32), normal(6, (b, t, nv, hv)),
+            normal(7, (b, nv, h, hv), jnp.float32))
+
+
 @register("gdn_chunk_fwd_bwd", GDNFwdBwdArgs)
 def gdn_fwd_bwd_rows(a: GDNFwdBwdArgs, ctx: core.Context):
     """GDN chunked prefill forward + backward against fla's (and the XLA reference's VJP)."""
@@ -641,18 +654,8 @@ def gdn_fwd_bwd_rows(a: GDNFwdBwdArgs, ctx: core.Context):
     names = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
     for text in a.cases:
         b, t = (int(x) for x in text.lower().split("x"))
-        gen = np.random.default_rng(0)
-        arrays = (gen.standard_normal((b, t, nk, h), np.float32),
-                  gen.standard_normal((b, t, nk, h), np.float32),
-                  gen.standard_normal((b, t, nv, hv), np.float32),
-                  np.log(gen.uniform(0.4, 0.99, (b, t, nv))).astype(np.float32),
-                  gen.uniform(0.05, 0.95, (b, t, nv)).astype(np.float32),
-                  (0.5 * gen.standard_normal((b, nv, h, hv))).astype(np.float32),
-                  gen.standard_normal((b, t, nv, hv), np.float32),
-                  gen.standard_normal((b, nv, h, hv), np.float32))
-        bf = lambda x: jnp.asarray(x, jnp.bfloat16)
-        inputs = (bf(arrays[0]), bf(arrays[1]), bf(arrays[2]), *map(jnp.asarray, arrays[3:6]),
-                  bf(arrays[6]), jnp.asarray(arrays[7]))
+        inputs = gdn_fwd_bwd_inputs(jax.random.key(0), b=b, t=t, nk=nk, nv=nv, h=h, hv=hv)
+        arrays = [np.asarray(x.astype(jnp.float32)) for x in inputs]  # fla's, the same values
         got = [np.asarray(x, np.float32) for x in ours(*inputs)]
         memory = ours.lower(*inputs).compile().memory_analysis()
         extra = dict(fwd_ms=round(ctx.time(fwd, *inputs[:6]), 4),
