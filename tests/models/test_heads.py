@@ -14,7 +14,6 @@ from flax import nnx
 
 from attn.dense import attention
 from experiments import longctx_eval, tasks, train_heads
-from models.families.llama import LlamaForCausalLM
 from models.heads import (
     Batch,
     Gate,
@@ -31,30 +30,9 @@ from models.heads import (
     streaming_mask,
     train_step,
 )
-from models.layers.attention import QKV, AttendSpec, AttentionConfig, DenseAttend
-from models.layers.rope import RopeConfig
-from models.transformer import DecoderConfig
+from models.layers.attention import QKV, AttendSpec, DenseAttend
+from tests.models.tiny import ByteTokenizer, tiny_llama
 from tests.utils import assert_close, rng
-
-
-class ByteTokenizer:
-    """Bytes as token ids (vocab 256): enough for the synthetic tasks."""
-
-    eos_token_id = 0
-
-    def encode(self, text, add_special_tokens=False):
-        return list(text.encode())
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(i for i in ids if i).decode(errors="replace")
-
-
-def tiny_model(layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
-    att = AttentionConfig(dim=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                          rope=RopeConfig(rotary_dim=8))
-    cfg = DecoderConfig(vocab_size=256, dim=32, num_layers=layers, intermediate_size=64,
-                        attention=att)
-    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed))
 
 
 def tiny_batch(b: int = 2, t: int = 48, a: int = 3, seed: int = 0) -> Batch:
@@ -111,7 +89,7 @@ def test_probe_attend_mass_matches_numpy():
 
 
 def test_score_heads_shapes_and_window_covering_everything():
-    model = tiny_model()
+    model = tiny_llama()
     batch = tiny_batch()
     scores = score_heads(model, [batch, tiny_batch(seed=1)], window=4, sinks=1)
     assert scores.retrieval.shape == scores.streaming_error.shape == (2, 2)
@@ -144,7 +122,7 @@ def test_streaming_mask_counts_ties_and_errors():
 
 
 def test_gate_gradient_matches_finite_differences():
-    model = tiny_model()
+    model = tiny_llama()
     batch = tiny_batch()
     gated = GatedLM(model, window=4, sinks=1, init=0.5)
     loss = nnx.jit(lambda g: distill_loss(g, batch, l1=0.0)[0])
@@ -167,7 +145,7 @@ def test_gate_gradient_matches_finite_differences():
 
 
 def test_gates_at_one_equal_the_dense_model():
-    model = tiny_model()
+    model = tiny_llama()
     batch = tiny_batch()
     gated = GatedLM(model, window=4, sinks=1)
     b, t = batch.input_ids.shape
@@ -180,7 +158,7 @@ def test_gates_at_one_equal_the_dense_model():
 
 
 def test_train_steps_update_only_gates_and_lower_the_loss():
-    model = tiny_model()
+    model = tiny_llama()
     batch = tiny_batch()
     gated = GatedLM(model, window=4, sinks=1)
     before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
@@ -195,7 +173,7 @@ def test_train_steps_update_only_gates_and_lower_the_loss():
 
 
 def test_gated_lm_rejects_bad_settings():
-    model = tiny_model()
+    model = tiny_llama()
     with pytest.raises(ValueError, match="init=2"):
         GatedLM(model, window=4, sinks=0, init=2.0)
     with pytest.raises(ValueError, match="sinks=-1"):
@@ -256,12 +234,12 @@ def _train_args(tmp_path, steps):
 
 def test_train_gates_resumes_after_a_kill(tmp_path):
     tok = ByteTokenizer()
-    full_gates, full_hist, _ = train_heads.train_gates(tiny_model(), tok,
+    full_gates, full_hist, _ = train_heads.train_gates(tiny_llama(), tok,
                                                        _train_args(tmp_path, 4),
                                                        str(tmp_path / "a"))
     # "Killed" after step 2 (its last checkpoint), then started again with the same command.
-    train_heads.train_gates(tiny_model(), tok, _train_args(tmp_path, 2), str(tmp_path / "b"))
-    gates, hist, _ = train_heads.train_gates(tiny_model(), tok, _train_args(tmp_path, 4),
+    train_heads.train_gates(tiny_llama(), tok, _train_args(tmp_path, 2), str(tmp_path / "b"))
+    gates, hist, _ = train_heads.train_gates(tiny_llama(), tok, _train_args(tmp_path, 4),
                                              str(tmp_path / "b"))
     assert [h["step"] for h in hist] == [0, 1, 2, 3]
     np.testing.assert_allclose([h["loss"] for h in hist], [h["loss"] for h in full_hist],
@@ -346,7 +324,7 @@ def test_heads_report_table(tmp_path):
 def test_elastic_from_shares_the_backbone():
     from models.heads.elastic import elastic_from
 
-    model = tiny_model()
+    model = tiny_llama()
     routed = elastic_from(model, window=16, sinks=4)
     ids = tiny_batch(t=40).input_ids
     np.testing.assert_array_equal(np.asarray(routed(ids, elastic=False)), np.asarray(model(ids)))
@@ -360,7 +338,7 @@ def test_router_training_round_trip_through_the_eval(tmp_path):
     tok = ByteTokenizer()
     args = _train_args(tmp_path, 2)
     vars(args).update(router_lr=1e-3, lagrangian_lr=1e-2, target=0.5, target_ramp=0.5)
-    model = tiny_model()
+    model = tiny_llama()
     facts, hist, _ = train_heads.train_router(model, tok, args, str(tmp_path))
     assert [h["step"] for h in hist] == [0, 1] and facts["path"] == "router.safetensors"
     assert 0.0 <= facts["final_sparse_fraction"] <= 1.0

@@ -8,7 +8,7 @@ import collections
 import json
 
 from experiments import longctx_eval, tasks
-from tests.models.test_heads import ByteTokenizer, tiny_model
+from tests.models.tiny import ByteTokenizer, tiny_llama
 
 
 def test_default_run_keeps_four_samples_per_cell_in_one_batch():
@@ -31,7 +31,7 @@ def test_default_run_keeps_four_samples_per_cell_in_one_batch():
 
 def test_tiny_run_reports_steps_cpu_time_and_load(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(longctx_eval, "load_model",
-                        lambda path, dtype: (tiny_model(), ByteTokenizer(), "tiny"))
+                        lambda path, dtype: (tiny_llama(), ByteTokenizer(), "tiny"))
     report = longctx_eval.main(
         ["--tasks", "passkey", "--lengths", "384,512", "--samples", "2", "--batch", "2",
          "--chunk", "128",

@@ -223,3 +223,31 @@ PAW_FIELDS = dict(enable_ada_sparsity=True, use_softmax=True, pooling_mode="ctx_
 # every test, so one compiled step per kind and mode.
 PAW_ENGINE_SHAPE = dict(batch_slots=2, max_len=96, page_size=8, chunk=64, num_pages=14,
              implementation="xla")
+
+
+class ByteTokenizer:
+    """Bytes as token ids (vocab 256): enough for the synthetic tasks of `experiments.tasks`."""
+
+    eos_token_id = 0
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i).decode(errors="replace")
+
+
+def tiny_llama(layers: int = 2, seed: int = 0):
+    """A random in-memory Llama (vocab 256, width 32, 4 query / 2 KV heads of 8 dims)."""
+    from flax import nnx
+
+    from models.families.llama import LlamaForCausalLM
+    from models.layers.attention import AttentionConfig
+    from models.layers.rope import RopeConfig
+    from models.transformer import DecoderConfig
+
+    att = AttentionConfig(dim=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                          rope=RopeConfig(rotary_dim=8))
+    cfg = DecoderConfig(vocab_size=256, dim=32, num_layers=layers, intermediate_size=64,
+                        attention=att)
+    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed))
