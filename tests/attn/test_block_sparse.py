@@ -88,12 +88,8 @@ def test_streaming_block_aligned_equals_dense_window_with_sinks():
     AttentionTestBase.check_output(out[:, last], lse[:, last], exp_out[:, last], exp_lse[:, last])
 
 
-def test_mixed_modes_on_the_block_sparse_attention_grid():
-    """Blocks of 128 (Block-Sparse-Attention's), lengths off the block grid, one query."""
-    gen = rng()
-    bs = 128
-    q, k, v = qkv(gen, 3, 200, 300, 6, 2)
-    q_len, kv_len = np.array([200, 191, 1], np.int32), np.array([300, 198, 160], np.int32)
+def _mixed_run(gen, q, k, v, q_len, kv_len, bs):
+    """Random modes, block mask and per-head sink / local counts: ours and the oracle mask."""
     B, T, N, _ = q.shape
     S = k.shape[1]
     modes, block_mask, sink, local = mixed_case(gen, B, N, T, S, bs)
@@ -101,7 +97,15 @@ def test_mixed_modes_on_the_block_sparse_attention_grid():
         q, k, v, jnp.asarray(modes), jnp.asarray(block_mask), block_size=bs,
         sink_blocks=jnp.asarray(sink), local_blocks=jnp.asarray(local),
         q_lengths=jnp.asarray(q_len), kv_lengths=jnp.asarray(kv_len))
-    mask = oracle_mask(modes, block_mask, T, S, bs, sink, local, q_len, kv_len)
+    return out, lse, oracle_mask(modes, block_mask, T, S, bs, sink, local, q_len, kv_len)
+
+
+def test_mixed_modes_on_the_block_sparse_attention_grid():
+    """Blocks of 128 (Block-Sparse-Attention's), lengths off the block grid, one query."""
+    gen = rng()
+    q, k, v = qkv(gen, 3, 200, 300, 6, 2)
+    q_len, kv_len = np.array([200, 191, 1], np.int32), np.array([300, 198, 160], np.int32)
+    out, lse, mask = _mixed_run(gen, q, k, v, q_len, kv_len, 128)
     check_vs_mask(q, k, v, out, lse, mask)
 
 
@@ -109,14 +113,8 @@ def test_one_head_alone_under_its_own_mask():
     """Per head: dense attention of that head alone under its own token mask."""
     gen = rng()
     q, k, v, q_len, kv_len = batch(gen)
-    B, T, N, _ = q.shape
-    S = k.shape[1]
-    modes, block_mask, sink, local = mixed_case(gen, B, N, T, S, BS)
-    out, lse = block_sparse_attention(
-        q, k, v, jnp.asarray(modes), jnp.asarray(block_mask), block_size=BS,
-        sink_blocks=jnp.asarray(sink), local_blocks=jnp.asarray(local),
-        q_lengths=jnp.asarray(q_len), kv_lengths=jnp.asarray(kv_len))
-    mask = oracle_mask(modes, block_mask, T, S, BS, sink, local, q_len, kv_len)
+    out, lse, mask = _mixed_run(gen, q, k, v, q_len, kv_len, BS)
+    N = q.shape[2]
     for n in (0, 1, 2):
         g = n // (N // k.shape[2])
         o, l = dense.masked_attention(q[:, :, n:n + 1], k[:, :, g:g + 1], v[:, :, g:g + 1],
