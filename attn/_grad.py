@@ -1,8 +1,8 @@
 """The gradient of forward-only kernels: the VJP of their pure-jnp reference.
 
-The Triton kernels of the dense paged prefill and block-sparse ops have no backward of their
-own; `with_reference_gradient` keeps those ops differentiable when
-`implementation="auto"` picks the kernels on a GPU.
+The Triton kernel of the dense paged prefill op has no backward of its own;
+`with_reference_gradient` keeps that op differentiable when `implementation="auto"` picks the
+kernel on a GPU.
 """
 
 import jax
