@@ -16,7 +16,8 @@ forward (`attn/block_sparse/triton.py`). Three kernels:
   program. A program with more than a fair share of the steps (a key block every query tile
   selects, such as the sink block) is cut into chunks (`dkv_schedule`) that write float32
   partial sums; started whole it would finish long after the rest (H100, S32K density 0.1,
-  128-key programs: the sink programs walk 2048 steps against ~1600 per SM for everything).
+  128-key programs: a sink program walks 2048 steps against ~1600 per SM for everything; the
+  backward takes 6.88 ms with the cut, 8.08 without).
 - reduce: adds the partial sums of each cut program in order (deterministic, no atomics).
 
 NaN and masks: in a masked step `dS` (and `P` for dV) is selected by the visibility rather than

@@ -108,7 +108,8 @@ def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
     warp specialisation +-0.5%); density 1.0 at 1.09-1.11x the dense flash. Backward: dQ 128
     queries x 64 keys, 8 warps, 3 stages (H100 S32K density 0.1: 2.35 ms, against 2.68 with 2
     stages and 5.52 with 64 x 64); dK / dV 128 keys x 64 queries, 8 warps, 2 stages (5.17 ms
-    uncut, against 5.68 for 64 x 32 with 4 warps and 7.81 for 64 x 64; 36 bytes of spills).
+    uncut, against 5.68 for 64 x 32 with 4 warps and 7.81 for 64 x 64; 36 bytes of spills), heavy
+    programs cut (the whole backward 6.88 ms, 8.08 uncut, 7.32 with 64 x 32 tiles).
     Wide heads (> 128) take 32-key steps and 2 stages, as dense does, so the K / V stages fit in
     shared memory. `python -m experiments.tools.sweep block_sparse_prefill` times alternatives."""
     if max(head_dim, value_head_dim or head_dim) > 128:
