@@ -57,8 +57,7 @@ def cu_seqlens_of(lens):
 
 def naive64(q, k, v, g, beta, h0=None, scale=None, use_qk_l2norm=True):
     """Float64 numpy gated delta rule written from the paper's recurrence, one token at a time."""
-    q, k, v, g, beta = (np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-                        for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (np.asarray(x).astype(np.float64) for x in (q, k, v, g, beta))
     b, t, nk, h = q.shape
     nv, hv = v.shape[2:]
     if use_qk_l2norm:
