@@ -613,7 +613,7 @@ def _fla_chunk_fwd_bwd(ctx, arrays, *, scale: float):
             return (o, final, *torch.autograd.grad((o, final), leaves, (do, dfinal)))
         try:
             ms = ctx.time(call, warmup=3, budget_s=None)
-            out = [x.float() for x in call()]
+            out = [x.detach().float() for x in call()]
         except Exception as e:  # an anchor that fails is logged, not fatal
             log.warning("fla anchor failed (gva=%s): %s", gva, core.first_line(e))
             note += f"fla failed: {core.first_line(e, 120)}; "
