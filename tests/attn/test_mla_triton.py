@@ -20,7 +20,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 class TestTriton(MlaDecodeTests):
     implementation = "triton"
     config = kernel.Config(block_n=16, num_splits=2)
-    fp8_compute = jnp.float16  # `Config.fp8_compute`: tiles and probabilities in float16
+    fp8_tolerance = (1e-2, 1e-3)  # tiles and probabilities in float16 (`Config.fp8_compute`)
 
 
 def _problem(gen, *, b, n, l, r, p, max_pages, dtype, lengths):

@@ -19,7 +19,7 @@ class TestTriton(PagedDecodeTests):
 
     implementation = "triton"
     config = kernel.Config(block_n=16, num_splits=2)
-    fp8_compute = jnp.float16  # `Config.fp8_compute`
+    fp8_tolerance = (2e-2, 2e-2)  # tiles and probabilities in float16 (`Config.fp8_compute`)
     batch = 4
     group_sizes = (5,)
 
