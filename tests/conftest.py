@@ -32,6 +32,17 @@ SLOW_ON_CPU = (
     "[bs64-4steps-2tiles]",
     "tests/kv/test_fp8.py::test_triton_write_equals_xla[sb1]",
     "tests/kv/test_fp8.py::test_triton_write_equals_xla[sb16]",
+    # Shared-base cases a sibling keeps in CI: chunk borders T63 / T64 (T1, T65, T200 stay;
+    # the XLA lengths also in test_gdn.py::test_chunked_recurrent_naive_agree), the middle fp8
+    # sub-block, a middle group size, a second random MLA layout.
+    *(f"tests/attn/test_gdn_triton.py::TestTriton::test_chunked_matches_float64[T{t}]"
+      for t in (63, 64)),
+    *(f"tests/attn/test_gdn.py::TestXla::test_chunked_matches_float64[T{t}]"
+      for t in (1, 63, 64, 65, 200)),
+    "tests/attn/test_paged_decode_triton.py::TestTriton::test_fp8_pages[sb4]",
+    "tests/attn/test_block_sparse_triton.py::TestTriton::test_gqa_group_sizes[G5]",
+    "tests/attn/test_mla_triton.py::TestTriton::test_matches_absorbed_attention"
+    "[L48-R24-B3-P4-splits3-random]",
     "tests/models/test_engine_hybrid.py::test_greedy_equals_full_forward[deepseek_v2]",
     "tests/models/test_engine_hybrid.py::test_greedy_equals_full_forward[qwen3_5]",
     "tests/models/test_generate.py::test_bucketed_forward_equals_unbucketed[qwen3_next]",
