@@ -16,14 +16,15 @@
 # %% [markdown]
 # # Kernels against their anchors and the roofline
 #
-# Every `benchmarks/*.json` written by `experiments/bench_*` holds one row per kernel and shape:
+# Every `benchmarks/*.json` written by `python -m experiments.bench` holds one row per kernel and
+# shape:
 # our time, what it achieved (TB/s for memory-bound kernels, TFLOP/s for compute-bound ones),
 # the ceiling measured in the same process (copy bandwidth of the GPU, or its dense matmul
 # peak), and the anchor it was timed against in the same process (cuDNN, fla, the deprecated
 # Pallas kernel, the XLA reference, or another of our variants).
 #
 # `GPU = False` plots the stored results (any machine, seconds); `GPU = True` first re-measures
-# on this GPU (`experiments.bench_decode` and `experiments.bench_prefill`, several minutes,
+# on this GPU (`python -m experiments.bench decode` and `... prefill`, several minutes,
 # rewriting their JSON files), then plots.
 
 # %%
@@ -41,13 +42,14 @@ import numpy as np
 
 ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "benchmarks").is_dir())
 if GPU:
-    for bench in ("experiments.bench_decode", "experiments.bench_prefill"):
-        subprocess.run([sys.executable, "-m", bench], cwd=ROOT, check=True)
+    for suite in ("decode", "prefill"):
+        subprocess.run([sys.executable, "-m", "experiments.bench", suite], cwd=ROOT, check=True)
 
 tables = {}
 for path in sorted((ROOT / "benchmarks").glob("*.json")):
     data = json.loads(path.read_text())
-    if "rows" in data:  # other JSON there (e.g. evaluation results) has no kernel rows
+    rows = data.get("rows", [])
+    if rows and all("ms" in r for r in rows):  # kernel timings, not the heads or serving reports
         tables[path.stem] = data
 for name, data in tables.items():
     print(f"{name}: {len(data['rows'])} rows, {data['device']}, commit {data['commit']}")

@@ -12,10 +12,12 @@ first):
     benchmarks/prefill.{json,md}   python -m experiments.bench prefill
     benchmarks/multigpu.{json,md}  python -m experiments.bench multigpu     (4 GPUs)
     benchmarks/heads.{json,md,*.png}  python -m experiments.bench heads [-- --model GGUF]
+    benchmarks/serving.{json,md,png}  python -m experiments.bench serving [-- --model GGUF]
 
-`multigpu` and `heads` are suites written by their own tools (`registry.COMMANDS`): the bench
-runs their steps, each in a process of its own (`experiments.bench_multigpu`; for `heads`
-`experiments.train_heads`, `experiments.longctx_eval` twice and `experiments.heads_report`,
+`multigpu`, `heads` and `serving` are suites written by their own tools (`registry.COMMANDS`):
+the bench runs their steps, each in a process of its own (`experiments.bench_multigpu`; for
+`heads` `experiments.train_heads`, `experiments.longctx_eval` twice and
+`experiments.heads_report`; for `serving` `experiments.serve_sim` twice and its `--render`;
 intermediates under `--work`); `--dry-run` and `--list` print the exact commands.
 
 Suites (`registry.SUITES`; each writes `<out>/<suite>.json` and `.md`, `<suite>_quick.*` with

@@ -2,7 +2,8 @@
 
 A suite is either a list of row groups, run in this process (`SUITES`), or the steps of the
 tool that writes its file (`COMMANDS`: the multi-GPU suite, which needs a process of its own
-with every GPU, and the head-selection report, a training and evaluation pipeline); `python -m
+with every GPU, the head-selection report, a training and evaluation pipeline, and the serving
+simulation, runs of the engine over minutes of simulated arrivals); `python -m
 experiments.bench <suite>` runs either, `--list` and `--dry-run` print the exact commands.
 
 A row group is one op's rows: `@register(name, Spec)` on `run(spec, ctx) -> rows`, `Spec` a
@@ -73,6 +74,10 @@ class Command:
 _HEADS_EVAL = ("--lengths", "2048,4096,8192", "--depths", "0.1,0.5,0.9", "--samples", "6",
                "--batch", "16", "--chunk", "1024", "--window", "512", "--sinks", "64",
                "--dtype", "bfloat16", "--heads", "{work}/train_heads/heads.json")
+# The serving benchmark of `benchmarks/serving.md` (GPU-sized: 48 requests of 6K +- 25% tokens).
+_SERVING = ("--requests", "48", "--rate", "50", "--prompt-len", "6144", "--spread", "0.25",
+            "--max-tokens", "128", "--batch", "16", "--chunk", "1024", "--page-size", "64",
+            "--window", "1024", "--sinks", "128", "--dtype", "bfloat16")
 COMMANDS: dict[str, Command] = {
     "multigpu": Command(
         doc="context-parallel causal prefill on every GPU of the host: ring and all-gather "
@@ -99,6 +104,19 @@ COMMANDS: dict[str, Command] = {
         writes="heads.json / .md, heads_maps.png, heads_pareto.png, heads_loss.png",
         copies=(("{work}/train_heads/loss.png", "{out}/heads_loss.png"),),
         extra_to=(0, 1, 2)),
+    "serving": Command(
+        doc="serving simulation: Poisson arrivals of 6K-token requests through the engine, "
+            "uniform vs head-wise vs fp8 KV, on a random Qwen3-0.6B-shaped model and SmolLM2",
+        steps=(
+            ("experiments.serve_sim", "--model", "qwen3-0.6b", *_SERVING, "--admission",
+             "bytes", "--out", "{work}/serve_qwen3"),
+            ("experiments.serve_sim", *_SERVING, "--admission", "bytes,pools", "--out",
+             "{work}/serve_smollm2"),
+            ("experiments.serve_sim", "--render", "{work}/serve_qwen3/results.json",
+             "{work}/serve_smollm2/results.json", "--out", "{out}"),
+        ),
+        writes="serving.json / .md, serving.png",
+        extra_to=(1,)),
 }
 
 
