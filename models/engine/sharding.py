@@ -5,13 +5,17 @@ device of the axis. What splits, and how:
 
 * Weights (`shard_weights=True`), Megatron-style, by parameter name (`param_specs`): the
   projections into heads are split by output column (`q_proj`, `k_proj`, `v_proj`, MLA
-  `q_proj` / `q_b_proj` / `kv_b_proj`, GDN `in_proj_z` / `in_proj_b` / `in_proj_a` /
-  `in_proj_qkvz` / `in_proj_ba`, MLP `gate_proj` / `up_proj`), the projections out of them by
-  input row (`o_proj`, `out_proj`, `down_proj`), stacked MoE experts `[E, ...]` by expert, GDN
-  `A_log` / `dt_bias` by value head; the embedding, the output head, norms, routers, MLA's
-  `q_a_proj` / `kv_a_proj` and GDN's `in_proj_qkv` (the conv input, kept whole) stay whole on
-  every device. A dimension the axis size does not divide stays whole. XLA's SPMD partitioner
-  places the rest (the all-reduce after each row-split projection) from these shardings.
+  `q_proj` / `q_b_proj` / `kv_b_proj`, GDN `in_proj_z` / `in_proj_b` / `in_proj_a`, MLP
+  `gate_proj` / `up_proj`), the projections out of them by
+  input row (`o_proj`, `out_proj`, `down_proj`; a MoE's shared expert too), GDN `A_log` /
+  `dt_bias` by value head; the embedding, the output head, norms, routers, MLA's `q_a_proj` /
+  `kv_a_proj`, GDN's `in_proj_qkv` / `in_proj_qkvz` / `in_proj_ba` (the conv input is kept
+  whole; Qwen3-Next's fused ones interleave it with the gates) and the stacked routed experts
+  `[E, ...]` stay whole on every device. A dimension the axis size does not divide stays whole.
+  XLA's SPMD partitioner places the rest (the all-reduce after each row-split projection) from
+  these shardings. The routed experts stay whole because the MoE dispatch runs a data-dependent
+  `lax.cond` per tile of rows: split stacks put collectives inside it, which devices may reach
+  in different orders (a deadlock).
 * Every layer's mixer core runs under `shard_map` on this device's heads (`sharded_attend`), as
   its adapter's `tp_specs` says: attention over its KV heads' pages, MLA's query heads over the
   whole latent cache, GDN's delta rule over its value heads (the conv on every device). Custom
@@ -26,8 +30,9 @@ every device, and each device does every matmul; in exchange every matmul has th
 shapes and operands (the split-reduction order of a row-split projection is gone).
 
 Head counts must divide the axis size (`check_heads`; a ValueError names the layer and the
-count). Not done here: fewer KV heads than devices (replicated KV heads), a mesh with routed
-(elastic) layers, pipeline parallelism.
+count). Not done here: fewer KV heads than devices (replicated KV heads), split routed experts
+(expert parallelism would need the dispatch under `shard_map`), a mesh with routed (elastic)
+layers, pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -42,10 +47,8 @@ from jax.sharding import PartitionSpec as P
 
 # Output-column split (into heads) and input-row split (out of heads) projections, by name.
 COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj",
-                    "up_proj", "in_proj_qkvz", "in_proj_ba", "in_proj_z", "in_proj_b",
-                    "in_proj_a"})
+                    "up_proj", "in_proj_z", "in_proj_b", "in_proj_a"})
 ROW = frozenset({"o_proj", "down_proj", "out_proj"})
-EXPERTS = frozenset({"gate_proj", "up_proj", "down_proj", "gate_up_proj"})  # [E, ...] stacks
 PER_V_HEAD = frozenset({"A_log", "dt_bias"})
 
 
@@ -117,8 +120,6 @@ def param_spec(path, shape: tuple[int, ...], tp: TensorParallel) -> P:
     if last == "kernel" and len(shape) == 2:
         dim = 1 if parent in COLUMN else 0 if parent in ROW else None
     elif last == "bias" and len(shape) == 1 and parent in COLUMN:
-        dim = 0
-    elif len(shape) == 3 and last in EXPERTS:
         dim = 0
     elif len(shape) == 1 and last in PER_V_HEAD:
         dim = 0

@@ -183,10 +183,28 @@ def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds,
     last = jnp.clip(num_new - 1, 0, ids.shape[1] - 1)
     h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [B, 1, D]
     logits = model.logits(h)[:, 0]
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(
-        seeds, offsets + num_new)
-    tokens = sample(logits, keys, temperature, top_k, top_p)
+    tokens = _sample_rows(logits, seeds, offsets + num_new, temperature, top_k, top_p, tp=tp)
     return tokens, logits.astype(jnp.float32), states, decisions
+
+
+def _sample_rows(logits, seeds, positions, temperature, top_k, top_p, *, tp):
+    """`sample` with the key of each row's next position; under a mesh each device samples its
+    `B / D` rows (the sort over `[B, V]` is the step's largest part that does not shrink with
+    the heads) and the tokens are gathered whole. Rows are independent: the same tokens."""
+    def rows(logits, seeds, positions, temperature, top_k, top_p):
+        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+        return sample(logits, keys, temperature, top_k, top_p)
+
+    args = (logits, seeds, positions, temperature, top_k, top_p)
+    if tp is None or logits.shape[0] % tp.size:
+        return rows(*args)
+    split = sharding.P(tp.axis)
+    # Whole logits into the row split: the split must not reach back into the model (the
+    # partitioner would otherwise carry a batch split up through every layer).
+    args = (jax.lax.with_sharding_constraint(logits, tp.sharding(sharding.P())),) + args[1:]
+    tokens = jax.shard_map(rows, mesh=tp.mesh, in_specs=(sharding.P(tp.axis, None),) + (split,) * 5,
+                           out_specs=split, check_vma=False)(*args)
+    return jax.lax.with_sharding_constraint(tokens, tp.sharding(sharding.P()))
 
 
 def _free_rows(states: EngineKV, rows, *, adapters, tp=None) -> EngineKV:

@@ -5,10 +5,11 @@ JAX fixes its CPU device count when it starts, so the sharded checks run in one 
 case reads that run's verdict for its own check. A check builds a tiny random model whose head
 counts split over 4 devices, runs the same requests (prompts longer than a chunk, more requests
 than slots, so chunked prefill, mixed prefill / decode steps and slot reuse are all in) through
-a one-device engine and a 4-way tensor-parallel one, and requires identical greedy tokens,
-next-token logits within float32 rounding, the state split by head on the mesh (one device holds
-`K / 4` heads of every page pool, `Nv / 4` of every GDN ssm pool), the page tables equal to the
-host mirror, every page free at the end, and no new compilation for a second batch.
+a one-device engine and a 4-way tensor-parallel one, and requires identical tokens (greedy and
+sampled rows: each device samples its rows with the rows' own keys), next-token logits within
+float32 rounding, the state split by head on the mesh (one device holds `K / 4` heads of every
+page pool, `Nv / 4` of every GDN ssm pool), the page tables equal to the host mirror, every page
+free at the end, and no new compilation for a second batch.
 
 Head counts the mesh axis does not divide raise a ValueError naming the count (also checked in
 the worker: it needs the 4 devices); the in-process tests cover the errors a 1-device mesh shows.
@@ -30,7 +31,8 @@ from flax import nnx
 NUM_DEVICES = 4
 VOCAB = 256
 SHAPE = dict(batch_slots=2, max_len=64, page_size=8, chunk=16, implementation="xla")
-LENGTHS, MAX_TOKENS = (37, 5, 20), (6, 5, 4)
+LENGTHS, MAX_TOKENS = (37, 5, 20, 9, 14), (6, 5, 4, 7, 6)
+TEMPERATURES = (0.0, 0.0, 0.9, 0.0, 0.7)  # sampled rows: the same keys, the same tokens
 LOGIT_TOL = 1e-5  # f32: split reductions reorder sums of ~1e-1 terms (measured ~1e-7)
 
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -61,13 +63,13 @@ CONFIGS = {
         max_position_embeddings=512, rms_norm_eps=1e-6, q_lora_rank=16, n_group=2,
         topk_group=1, rope_interleave=True, rope_parameters=_ROPE)),
 }
-# name -> (config, shard_weights)
+# name -> (config, shard_weights, batch slots). With 4 slots each device samples one row.
 CASES = {
-    "llama": ("llama", True),
-    "llama-whole-weights": ("llama", False),
-    "qwen3-sliding": ("qwen3", True),
-    "qwen3_next-gdn-moe": ("qwen3_next", True),
-    "deepseek_v3-mla-moe": ("deepseek_v3", True),
+    "llama": ("llama", True, 4),
+    "llama-whole-weights": ("llama", False, 4),
+    "qwen3-sliding": ("qwen3", True, 4),
+    "qwen3_next-gdn-moe": ("qwen3_next", True, 2),
+    "deepseek_v3-mla-moe": ("deepseek_v3", True, 2),
 }
 SLOW = {"qwen3-sliding", "llama-whole-weights"}  # their coverage is also in the other cases
 
@@ -97,8 +99,8 @@ def _run(engine):
     """Every prompt through `engine`; `(outputs, last logits [B, V])`."""
     from models.engine import Request, SamplingParams
 
-    reqs = [engine.add(Request(p, SamplingParams(max_tokens=m)))
-            for p, m in zip(_prompts(), MAX_TOKENS)]
+    reqs = [engine.add(Request(p, SamplingParams(max_tokens=m, temperature=t, seed=i)))
+            for i, (p, m, t) in enumerate(zip(_prompts(), MAX_TOKENS, TEMPERATURES))]
     engine.run()
     return [r.output for r in reqs], np.asarray(engine.last_logits)
 
@@ -109,11 +111,12 @@ def _check(name: str) -> None:
     from models import engine as engine_mod
     from models.engine import Engine
 
-    config, shard_weights = CASES[name]
+    config, shard_weights, slots = CASES[name]
     model = build(config)
     mesh = jax.make_mesh((NUM_DEVICES,), ("tp",))  # explicit axes: the engine uses them as auto
-    one = Engine(model, **SHAPE)
-    tp = Engine(model, mesh=mesh, shard_weights=shard_weights, **SHAPE)
+    shape = dict(SHAPE, batch_slots=slots)
+    one = Engine(model, **shape)
+    tp = Engine(model, mesh=mesh, shard_weights=shard_weights, **shape)
     want, want_logits = _run(one)
     got, got_logits = _run(tp)
     assert got == want, f"{name}: tokens {got} != one device {want}"
