@@ -14,9 +14,13 @@ one GPU and split by head over all of them (`Engine(mesh=...)`, `shard_weights` 
 Each run decodes greedily `warmup + trials x steps` tokens per row, feeding its tokens back
 (positions `S - n .. S - 1`, no host sync inside a trial); `ms` is the median over trials of the
 mean step time. Rows: tokens/s (`B / step`), the speed-up over one GPU of the same process,
-whether every generated token equals one GPU's (`tokens_identical`, and the share that do), the
-first step's logits against one GPU's; the floor is (weights + KV bytes per GPU) / the measured
-copy bandwidth of GPU 0. Goal (PERF.md): >= 1.7x one GPU on 2 GPUs, tokens identical.
+whether every generated token equals one GPU's (`tokens_identical`, and the share that do; a row
+whose token differs decodes other tokens from then on), the first step's tokens and logits
+against one GPU's; the floor is (weights + KV bytes per GPU) / the measured copy bandwidth of
+GPU 0. The last row runs the first step on one GPU with `implementation="xla"` (the XLA paged
+attention instead of the Triton kernel): how far two correct one-GPU backends agree on this
+random-weight model over random pages. Goal (PERF.md): >= 1.7x one GPU on 2 GPUs, tokens
+identical.
 
 One process drives every GPU of the host (a 1-D mesh `sp` over all of them). First it checks the
 sharded ops against the whole-sequence reference at a small size on the GPU kernels (ring's
@@ -139,7 +143,8 @@ class Run:
 CP_COLS = ("case", "gpus", "S", "ms", "tflops", "ratio_to_D_x_one_gpu", "comm_ms", "compute_ms",
            "hidden_comm_ms", "kernel", "note")
 TP_COLS = ("case", "gpus", "shard_weights", "ms", "tokens_per_s", "speedup_vs_one_gpu",
-           "floor_ms", "tokens_identical", "tokens_equal_share", "logits_rel_err", "recompiles",
+           "floor_ms", "tokens_identical", "tokens_equal_share", "first_step_tokens_equal_share",
+           "logits_rel_err", "recompiles",
            "goal", "meets_goal", "note")
 
 
@@ -305,14 +310,17 @@ def tp_state(engine, seq: int, *, seed: int = 0):
 
 
 def tp_decode(model, *, mesh, shard_weights: bool, batch: int, seq: int, page: int,
-              warmup: int, trials: int, steps: int) -> dict:
+              warmup: int, trials: int, steps: int, implementation: str = "auto",
+              span: int | None = None) -> dict:
     """Greedy decode of `warmup + trials * steps` tokens per row through the engine's jitted
-    decode step (on one GPU if `mesh` is None); see the module docstring."""
+    decode step (on one GPU if `mesh` is None); see the module docstring. `ms` is None without
+    timed trials. Decoding starts at position `seq - span` (default: the tokens decoded here),
+    so runs of different lengths decode the same first steps."""
     from models import engine as engine_mod
     from models.engine import Engine
 
     engine = Engine(model, batch_slots=batch, max_len=seq, page_size=page, num_pages=2,
-                    implementation="auto", mesh=mesh, shard_weights=shard_weights)
+                    implementation=implementation, mesh=mesh, shard_weights=shard_weights)
     states = tp_state(engine, seq)
     checksum = float(jnp.sum(states.pools[0].k[:, :64].astype(jnp.float32)))
     layers, heads = engine.num_layers, engine.num_kv_heads
@@ -320,7 +328,7 @@ def tp_decode(model, *, mesh, shard_weights: bool, batch: int, seq: int, page: i
     fixed = (np.ones(batch, np.int32), zeros, zeros, np.zeros(batch, np.uint32),
              np.zeros(batch, np.float32), np.zeros(batch, np.int32), np.ones(batch, np.float32))
     total = warmup + trials * steps
-    start_pos = seq - total
+    start_pos = seq - (span or total)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, model.cfg.vocab_size, (batch, 1)),
                       jnp.int32)
     tokens, times, first_logits, first_call_s = [], [], None, 0.0
@@ -344,12 +352,13 @@ def tp_decode(model, *, mesh, shard_weights: bool, batch: int, seq: int, page: i
             times.append((time.perf_counter() - t0) / n)
         elif trial == -1:
             traces = engine_mod.TRACES["decode"]
-    recompiles = engine_mod.TRACES["decode"] - traces
+    recompiles = engine_mod.TRACES["decode"] - traces if trials else None
     pool = states.pools[0]
     kv_bytes = len(states.pools) * batch * seq * 2 * pool.num_kv_heads * pool.head_dim * 2
     weights = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(engine._params))
     gpus = 1 if mesh is None else mesh.size
-    result = {"ms": statistics.median(times) * 1e3, "tokens": np.asarray(jnp.stack(tokens)),
+    result = {"ms": statistics.median(times) * 1e3 if times else None,
+              "tokens": np.asarray(jnp.stack(tokens)),
               "logits": first_logits, "first_call_s": first_call_s, "recompiles": recompiles,
               "weight_bytes_per_gpu": int(weights), "kv_bytes_per_gpu": kv_bytes // gpus,
               "checksum": checksum, "gpus": gpus}
@@ -385,16 +394,26 @@ def tp_suite(args) -> None:
     mesh = Mesh(np.array(devices), ("tp",), axis_types=(AxisType.Auto,))
     goal = f">= 1.7x one GPU on {num} GPUs, tokens identical"
     base = None
-    for label, m, sw in (("one_gpu", None, True), (f"tp{num}", mesh, True),
-                         (f"tp{num}_whole_weights", mesh, False)):
+    runs = (("one_gpu", None, True, {}), (f"tp{num}", mesh, True, {}),
+            (f"tp{num}_whole_weights", mesh, False, {}),
+            ("one_gpu_xla_first_step", None, True,
+             dict(implementation="xla", warmup=1, trials=0,
+                  span=2 + args.tp_trials * args.tp_steps)))
+    for label, m, sw, extra in runs:
         row = {"case": f"tp_decode_{label}", "shape": case}
         t0 = time.perf_counter()
         try:
-            r = tp_decode(model, mesh=m, shard_weights=sw, **knobs)
+            r = tp_decode(model, mesh=m, shard_weights=sw, **(knobs | extra))
         except Exception as e:  # an OOM or a compile failure is a result here
             row["note"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
             r = None
-        if r is not None:
+        if r is not None and r["ms"] is None:  # the numerics anchor: one step, XLA attention
+            row |= {"gpus": 1, "note": "implementation=xla, first step only: how far two "
+                    "one-GPU backends agree on this model",
+                    "first_step_tokens_equal_share": round(float(np.mean(
+                        r["tokens"][0] == base["tokens"][0])), 4),
+                    "logits_rel_err": round(core.rel_err(r["logits"], base["logits"]), 6)}
+        elif r is not None:
             floor = (r["weight_bytes_per_gpu"] + r["kv_bytes_per_gpu"]) / copy_tbs / 1e9
             row |= {"gpus": r["gpus"], "shard_weights": sw if m is not None else None,
                     "ms": round(r["ms"], 3),
@@ -413,6 +432,7 @@ def tp_suite(args) -> None:
                 row |= {"speedup_vs_one_gpu": round(base["ms"] / r["ms"], 3),
                         "tokens_identical": bool(same.all()),
                         "tokens_equal_share": round(float(same.mean()), 4),
+                        "first_step_tokens_equal_share": round(float(same[0].mean()), 4),
                         "first_differing_step": int(first_bad[0]) if len(first_bad) else None,
                         "logits_rel_err": round(core.rel_err(r["logits"], base["logits"]), 6),
                         "goal": goal,
