@@ -87,10 +87,12 @@ class PagedPrefillTests(AttentionTestBase):
     config = None
 
     def check(self, q, kp, vp, tables, q_offset, kv_lengths, owned, *, dtype=None, keep=None,
-              k_scales=None, v_scales=None, **opts):
+              k_scales=None, v_scales=None, default_config=False, **opts):
         """This backend on the pool poisoned outside `keep` (default `owned`: pages; or a
-        `[K, pages, P]` token mask) against the reference on the clean pool. Returns which
-        (row, query, head) see a key, or None when the backend refuses the case."""
+        `[K, pages, P]` token mask) against the reference on the clean pool, with `config`
+        (`default_config`: the backend's heuristic). Returns which (row, query, head) see a key,
+        or None when the backend refuses the case."""
+        config = None if default_config else self.config
         keep = owned if keep is None else keep
         scale_keep = keep if keep.ndim == 2 else keep.any(-1)
         bad_scales = {n: None if s is None else poison(s, scale_keep)
@@ -98,15 +100,15 @@ class PagedPrefillTests(AttentionTestBase):
         args = (q, poison(kp, keep, 0.0) if kp.dtype == jnp.float8_e4m3fn else poison(kp, keep),
                 poison(vp, keep, 0.0) if vp.dtype == jnp.float8_e4m3fn else poison(vp, keep),
                 tables, q_offset, kv_lengths)
-        reasons = paged_prefill_attention.reasons(self.implementation, *args, config=self.config,
+        reasons = paged_prefill_attention.reasons(self.implementation, *args, config=config,
                                                   **bad_scales, **opts)
         if reasons:
             with pytest.raises(NotImplementedError, match=re.escape(reasons[0])):
                 paged_prefill_attention(*args, implementation=self.implementation,
-                                        config=self.config, **bad_scales, **opts)
+                                        config=config, **bad_scales, **opts)
             return None
         out, lse = paged_prefill_attention(*args, implementation=self.implementation,
-                                           config=self.config, **bad_scales, **opts)
+                                           config=config, **bad_scales, **opts)
         exp_out, exp_lse = paged_prefill_attention(
             q, kp, vp, tables, q_offset, kv_lengths, implementation="xla", k_scales=k_scales,
             v_scales=v_scales, **opts)
@@ -171,9 +173,11 @@ class PagedPrefillTests(AttentionTestBase):
         self.check(q, kq, vq, tables, off, lens, owned, dtype=jnp.bfloat16, scale=0.25,
                    window=window, sinks=sinks, k_scales=ks, v_scales=vs)
 
-    def test_bf16_uniform_window(self):
-        """bf16, odd head dims, one int window and sinks for every row and head."""
+    def test_bf16_default_config_uniform_window(self):
+        """bf16, odd head dims, one int window and sinks for every row and head, the backend's
+        default launch config."""
         gen = rng()
         q, kp, vp, tables, off, lens, owned = problem(gen, t=33, prefixes=(100, 0), kh=1, g=4,
                                                       dtype=jnp.bfloat16, h=32, hv=24)
-        self.check(q, kp, vp, tables, off, lens, owned, dtype=jnp.bfloat16, window=40, sinks=3)
+        self.check(q, kp, vp, tables, off, lens, owned, dtype=jnp.bfloat16, window=40, sinks=3,
+                   default_config=True)

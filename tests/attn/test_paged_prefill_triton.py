@@ -40,14 +40,6 @@ def _check(q, kp, vp, tables, q_offset, kv_lengths, owned, *, config=SMALL, dtyp
     return sees
 
 
-def test_bf16_default_config_and_uniform_window():
-    gen = rng()
-    q, kp, vp, tables, off, lens, owned = problem(gen, t=33, prefixes=(100, 0), kh=1, g=4,
-                                                  dtype=jnp.bfloat16, h=32, hv=24)
-    _check(q, kp, vp, tables, off, lens, owned, config=None, dtype=jnp.bfloat16, window=40,
-           sinks=3)
-
-
 # Page tiles: every page size against every key tile, both load paths. P % BLOCK_N == 0 takes
 # the one-id-per-tile block loads (unless page_tiles=False); BLOCK_N > P always gathers.
 TILE_GRID = [(p, bn) for p in (16, 32, 64, 128) for bn in (16, 32, 64)]
