@@ -450,7 +450,7 @@ def _plot(report: dict, path: str) -> None:
 
 def main(argv=None) -> dict:
     """Run the simulation for every configuration and admission mode; print the table, write
-    JSON and PNG (or, with `--render`, the benchmark files of earlier runs).
+    JSON and PNG (or, with `--render`, from the committed benchmark files).
 
     Returns:
       The report written to `results.json` (`--render`: the benchmark JSON).

@@ -190,7 +190,7 @@ def _spawn(names: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def sharded_run(request):
-    """One worker for the cases this session selected (slow ones only under `-m slow`)."""
+    """One worker for the selected cases (slow ones only under `-m slow`)."""
     names = [item.callspec.params["name"] for item in request.session.items
              if item.originalname == "test_tensor_parallel_equals_one_device"]
     return _spawn(names)
