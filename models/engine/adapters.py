@@ -41,6 +41,7 @@ import abc
 import dataclasses
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -240,7 +241,8 @@ class AttentionAdapter(MixerAdapter):
         pool = kv.write_kv(pool, tables, qkv.k, qkv.v, ctx.offsets, ctx.num_new)
         return PagedKV(pool=pool, table=table, q_offset=ctx.offsets, kv_lengths=lengths,
                        window=ctx.window[:, spec.layer], sinks=ctx.sinks[:, spec.layer],
-                       decode=ctx.decode, implementation=ctx.implementation)
+                       decode=ctx.decode, implementation=ctx.implementation,
+                       kv_shards=1 if ctx.axis is None else jax.lax.axis_size(ctx.axis))
 
     def attend(self, ctx, spec: AttendSpec, qkv: QKV, pool: kv.PagePool):
         """Write, then the engine's custom attend (`Engine(attend=...)`) if any, else
