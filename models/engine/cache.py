@@ -17,6 +17,7 @@ attend's to apply (`window [B, K] <= 0` = full), as `paged_attention` does.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -41,6 +42,8 @@ class PagedKV(NamedTuple):
       sinks: `[B, K]` int32.
       decode: the `T = 1` decode step (static).
       implementation: the engine's attention backend (static).
+      kv_shards: the heads here are one of this many equal shards of the layer's KV heads
+        (inside the tensor-parallel `shard_map`; static).
     """
 
     pool: kv.PagePool
@@ -51,6 +54,7 @@ class PagedKV(NamedTuple):
     sinks: Int[Array, "B K"]
     decode: bool = False
     implementation: str = "auto"
+    kv_shards: int = 1
 
     def gather(self, dtype=None) -> tuple[Float[Array, "B S K H"], Float[Array, "B S K Hv"]]:
         """Every row's keys and values in position order, `S = M * P` (`kv.gather_kv`: slots a
@@ -70,16 +74,42 @@ def paged_attention(spec: AttendSpec, qkv: QKV, cache: PagedKV) -> tuple[Array, 
     """
     pool = cache.pool
     if cache.decode:
-        o, _ = paged_decode(qkv.q[:, 0], pool.k, pool.v, cache.table, cache.kv_lengths,
-                            scale=spec.scale, window=cache.window, sinks=cache.sinks,
-                            k_scales=pool.k_scale, v_scales=pool.v_scale,
-                            implementation=cache.implementation)
+        args = (qkv.q[:, 0], pool.k, pool.v, cache.table, cache.kv_lengths)
+        kwargs = dict(scale=spec.scale, window=cache.window, sinks=cache.sinks,
+                      k_scales=pool.k_scale, v_scales=pool.v_scale)
+        config = _whole_layer_decode_config(args, kwargs, cache)
+        o, _ = paged_decode(*args, **kwargs, implementation=cache.implementation, config=config)
         return o[:, None], cache
     o, _ = paged_prefill_attention(
         qkv.q, pool.k, pool.v, cache.table, cache.q_offset, cache.kv_lengths, scale=spec.scale,
         window=cache.window, sinks=cache.sinks, k_scales=pool.k_scale, v_scales=pool.v_scale,
         implementation=cache.implementation)
     return o, cache
+
+
+def _whole_layer_decode_config(args, kwargs, cache: PagedKV):
+    """The Triton decode kernel's config for one shard of a layer's KV heads: the split count a
+    single device picks for all of them, or None (the op's own choice).
+
+    The split count changes the result by rounding, and the kernel's heuristic reads the head
+    count: a device holding `K / D` heads would split its keys differently from one device
+    holding all `K`, and the tensor-parallel engine's tokens would drift from the one-device
+    engine's. With the whole layer's split count each device computes exactly its heads' share
+    of the one-device result.
+    """
+    if cache.kv_shards == 1:
+        return None
+    backend, config = paged_decode.select(cache.implementation,
+                                          paged_decode.validate(*args, **kwargs))
+    if backend.name != "triton":
+        return None
+    from attn.paged_decode import triton as kernel
+
+    q, pages, table = args[0], args[1], args[3]
+    whole = kernel.default_config(q.shape[0], pages.shape[0] * cache.kv_shards,
+                                  table.shape[-1] * pages.shape[2],
+                                  fp8=kwargs["k_scales"] is not None)
+    return dataclasses.replace(config, num_splits=whole.num_splits)
 
 
 __all__ = ["PagedKV", "paged_attention"]

@@ -26,6 +26,15 @@ def sample(logits: Float[Array, "B V"], keys, temperature, top_k, top_p) -> Int[
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # The sort over the vocabulary costs as much as a few layers of a small model's decode step:
+    # a batch of greedy rows skips it.
+    return jax.lax.cond(jnp.any(temperature > 0),
+                        lambda: _drawn(logits, greedy, keys, temperature, top_k, top_p),
+                        lambda: greedy)
+
+
+def _drawn(logits, greedy, keys, temperature, top_k, top_p):
+    """`sample` when some row draws: every row through the sorted-vocabulary path."""
     order = jnp.argsort(-logits, axis=-1)
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
     scaled = sorted_logits / jnp.maximum(temperature, 1e-6)[:, None]

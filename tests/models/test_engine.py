@@ -197,6 +197,22 @@ def test_sample_top_k_and_top_p_restrict_support():
     assert np.all(drawn_p == np.argmax(np.asarray(logits), -1))  # tiny nucleus = argmax
 
 
+def test_sample_greedy_rows_take_the_argmax_with_or_without_a_drawing_row():
+    """An all-greedy batch skips the sorted path; a greedy row next to a drawing row still gets
+    its argmax, and the drawing row draws (not its argmax every time)."""
+    logits = jax.random.normal(jax.random.key(2), (3, 64)) * 3
+    best = np.argmax(np.asarray(logits), -1)
+    no_limit, whole = jnp.zeros((3,), jnp.int32), jnp.ones((3,), jnp.float32)
+    fn = jax.jit(sample)
+    keys = jax.random.split(jax.random.key(3), 30).reshape(10, 3)
+    greedy = np.asarray(fn(logits, keys[0], jnp.zeros((3,)), no_limit, whole))
+    assert np.all(greedy == best)
+    hot = jnp.asarray([0.0, 5.0, 0.0])
+    mixed = np.stack([np.asarray(fn(logits, k, hot, no_limit, whole)) for k in keys])
+    assert np.all(mixed[:, [0, 2]] == best[[0, 2]])
+    assert len(set(mixed[:, 1])) > 1
+
+
 def test_fp8_kv_close_to_full_precision(llama):
     """Next-token KL of the FP8-KV engine against the bf16-KV and f32-KV engines after a 40-token
     prompt (f32 model; only the page dtype differs)."""
