@@ -29,7 +29,7 @@ and sinks per KV head (`window <= 0`: full), `kv_lengths`, any group size, `H` /
 (padded to a power of two and masked), bf16 / f16 (f32 with IEEE dots, for tests). A row with no
 visible key gives output 0 and lse -inf, and zero gradients.
 Logit soft-capping (`softcap`: `softcap * tanh(s / softcap)` of the scaled scores, before the
-mask) in the forward; the backward kernels do not soft-cap, so such a call's gradient is the
+mask; compiled, the tanh is the GPU's `tanh.approx.f32`) in the forward; the backward kernels do not soft-cap, so such a call's gradient is the
 reference's (`backward_supports`, applied by `attn._op`).
 Not supported (`supports` says why, and `implementation="auto"` falls back to XLA): segment ids
 (packed varlen), shapes whose per-batch element offsets overflow int32.
@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from attn import _checks
+from attn import _harness
 from attn._harness import triton_call
 from attn.dense._flash_bwd import backward as _backward
 from attn.dense._flash_tiles import (
@@ -108,6 +109,17 @@ def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
 
 
 @triton.jit
+def _tanh(x, FAST: tl.constexpr):
+    """tanh of an f32 tile. `FAST`: the GPU's `tanh.approx.f32` (one special-function
+    instruction, relative error about 2^-11, as FlashAttention soft-caps); else
+    `1 - 2 / (exp(2x) + 1)`, an exp and a division (the interpreter runs no inline PTX)."""
+    if FAST:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
 def _fwd_visit(
     acc,  # [BLOCK_M, BLOCK_HV] f32
     l,  # [BLOCK_M] f32 running sum of 2^(s - m)
@@ -133,6 +145,7 @@ def _fwd_visit(
     PRECISION: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
     CAP: tl.constexpr = 0.0,
+    FAST_TANH: tl.constexpr = False,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
@@ -151,7 +164,7 @@ def _fwd_visit(
         k = _load(k_ptrs, in_kv, mask_h, MASKED, BLOCK_H != H)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] f32
         if CAP > 0:  # soft-capping, in unscaled units: CAP * tanh(qk / CAP), CAP = softcap / scale
-            qk = CAP * (1.0 - 2.0 / (tl.exp(qk * (2.0 / CAP)) + 1.0))
+            qk = CAP * _tanh(qk * (1.0 / CAP), FAST_TANH)
         if MASKED:
             visible = _visible(cols[None, :], pos[:, None], kv_len, win, sinks, CAUSAL)
             p, alpha, m_new = _masked_softmax_step(qk, m, visible, SCALE_LOG2)
@@ -196,6 +209,7 @@ def _flash_fwd_kernel(
     WARP_SPECIALIZE: tl.constexpr = False,
     WS_MASKED: tl.constexpr = False,
     CAP: tl.constexpr = 0.0,  # softcap / scale; 0: no soft-capping
+    FAST_TANH: tl.constexpr = False,  # the GPU's tanh instruction (compiled only)
 ):
     # Heads vary fastest (programs in flight share K/V in L2); the last query tiles, which see
     # the most keys under a causal mask, start first so the short ones fill the tail.
@@ -235,16 +249,16 @@ def _flash_fwd_kernel(
     # Sink tiles, the window's lower edge, the tiles every row sees whole, the causal diagonal.
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, 0, sink_end, kv_len, win, sinks,
                            SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
-                           PRECISION, WS_MASKED, CAP)
+                           PRECISION, WS_MASKED, CAP, FAST_TANH)
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, main_lo, full_lo, kv_len, win,
                            sinks, SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
-                           PRECISION, WS_MASKED, CAP)
+                           PRECISION, WS_MASKED, CAP, FAST_TANH)
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_lo, full_hi, kv_len, win,
                            sinks, SCALE_LOG2, K, H, HV, CAUSAL, False, BLOCK_N, BLOCK_H, BLOCK_HV,
-                           PRECISION, WARP_SPECIALIZE, CAP)
+                           PRECISION, WARP_SPECIALIZE, CAP, FAST_TANH)
     acc, l, m = _fwd_visit(acc, l, m, q, k_base, v_base, pos, full_hi, end, kv_len, win, sinks,
                            SCALE_LOG2, K, H, HV, CAUSAL, True, BLOCK_N, BLOCK_H, BLOCK_HV,
-                           PRECISION, WS_MASKED, CAP)
+                           PRECISION, WS_MASKED, CAP, FAST_TANH)
 
     empty = l == 0.0
     safe_l = tl.where(empty, 1.0, l)
@@ -278,7 +292,7 @@ def _forward(q, k, v, q_offset, window, sinks, kv_lengths, *, causal, scale, con
         SCALE_LOG2=scale * LOG2E, CAUSAL=causal, NUM_M=num_m, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, WARP_SPECIALIZE=config.warp_specialize and config.num_warps >= 8,
         WS_MASKED=config.warp_specialize_masked and config.num_warps >= 8,
-        CAP=0.0 if softcap is None else softcap / scale, **dims,
+        CAP=0.0 if softcap is None else softcap / scale, FAST_TANH=_harness.on_gpu(), **dims,
     )
 
 

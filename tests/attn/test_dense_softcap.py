@@ -61,3 +61,25 @@ def test_bad_softcap_is_refused(softcap, error, match):
     q, k, v = qkv(0, (1, 4, 4, 2, 1, 16, 16))
     with pytest.raises(error, match=match):
         attention(q, k, v, softcap=softcap)
+
+
+@pytest.mark.slow
+def test_softcap_forward_compiles_to_the_tanh_instruction():
+    """Compiled for Hopper (no GPU needed): the soft-capped forward at its default tiles uses the
+    GPU's tanh instruction, keeps wgmma and spills no registers."""
+    from tests.utils import compile_for_sm90
+
+    fn, cfg = dense_triton._flash_fwd_kernel, dense_triton.default_config(128)
+    consts = dict(B=1, T=8192, S=8192, K=8, G=4, H=128, HV=128, BLOCK_H=128, BLOCK_HV=128,
+                  PRECISION="tf32", CAUSAL=True, SCALE_LOG2=0.13, NUM_M=8192 * 4 // cfg.block_m,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAP=50.0 / 0.088, FAST_TANH=True)
+    pointers = {n: "*i32" if n.startswith(("offset", "len", "window", "sink"))
+                else "*fp32" if n.startswith("lse") else "*bf16"
+                for n in fn.arg_names if n not in consts}
+    (result,) = compile_for_sm90([dict(
+        kernel="attn.dense.triton:_flash_fwd_kernel", constexprs=consts, pointers=pointers,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        count=("tanh.approx.f32", "wgmma.mma_async"))])
+    assert result["count"]["tanh.approx.f32"] > 0, result
+    assert result["count"]["wgmma.mma_async"] > 0, result
+    assert result["spill_stores"] == 0, result
