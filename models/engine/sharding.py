@@ -174,10 +174,20 @@ def sharded_attend(ctx, adapter, spec, inputs, state) -> tuple[Any, Any]:
 
     # The block tables, windows and sinks enter whole (as every device holds them) and each
     # device takes its heads' rows inside: a head-split entry spec would let the partitioner
-    # split the page bookkeeping upstream and move table slices between devices.
+    # split the page bookkeeping upstream and move table slices between devices. With whole
+    # weights the inputs enter whole too: a head-split entry would let the partitioner compute
+    # only this device's columns of the projections into heads, a matmul of another shape than
+    # one device's (and another rounding).
+    input_specs = specs.inputs if tp.shard_weights else jax.tree.map(
+        lambda _: P(), specs.inputs, is_leaf=lambda s: isinstance(s, P))
+
     def body(offsets, num_new, table, window, sinks, inputs, state):
         local = dataclasses.replace(ctx, offsets=offsets, num_new=num_new, table=table,
                                     window=window, sinks=sinks, tp=None, axis=axis)
+        if not tp.shard_weights:
+            inputs = jax.tree.map(lambda s, x: local.local_heads(x, list(s).index(axis))
+                                  if axis in list(s) else x, specs.inputs, inputs,
+                                  is_leaf=lambda s: isinstance(s, P))
         if adapter.paged:
             table = local.layer_table(spec.layer, num_kv)  # [B, K, M]
             local = dataclasses.replace(local, table=table, table_layers=(spec.layer,))
@@ -188,7 +198,7 @@ def sharded_attend(ctx, adapter, spec, inputs, state) -> tuple[Any, Any]:
         return adapter.attend(local, spec, inputs, state)
 
     o, state = jax.shard_map(
-        body, mesh=tp.mesh, in_specs=(P(), P(), P(), P(), P(), specs.inputs, state_spec),
+        body, mesh=tp.mesh, in_specs=(P(), P(), P(), P(), P(), input_specs, state_spec),
         out_specs=(specs.out, state_spec), check_vma=False,
     )(ctx.offsets, ctx.num_new, ctx.table, ctx.window, ctx.sinks, inputs, state)
     if not tp.shard_weights:
