@@ -340,7 +340,8 @@ def tp_decode(model, *, mesh, shard_weights: bool, batch: int, seq: int, page: i
         for _ in range(n):
             offsets = np.full(batch, start_pos + i, np.int32)
             out, logits, states, _ = engine._step(engine._graphdef, engine._params, states, ids,
-                                                  offsets, fixed[0], *fixed[1:], decode=True)
+                                                  offsets, fixed[0], *fixed[1:], decode=True,
+                                                  draw=False)
             if first_logits is None:
                 first_logits = np.asarray(logits)
                 first_call_s = time.perf_counter() - t0

@@ -358,7 +358,7 @@ class Engine:
         start = time.perf_counter()
         tokens, self.last_logits, self.states, decisions = self._step(
             self._graphdef, self._params, self.states, ids, offsets, num_new, window, sinks,
-            seeds, temp, top_k, top_p, decode=decode)
+            seeds, temp, top_k, top_p, decode=decode, draw=bool((temp > 0).any()))
         for r, n in work.items():
             sched.commit(r, int(offsets[r]) + n)
         # The step's only device -> host read: B token ids (and the router decisions).

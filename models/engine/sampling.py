@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 
-def sample(logits: Float[Array, "B V"], keys, temperature, top_k, top_p) -> Int[Array, "B"]:  # noqa: F821
+def sample(logits: Float[Array, "B V"], keys, temperature, top_k, top_p, *,  # noqa: F821
+           draw: bool = True) -> Int[Array, "B"]:  # noqa: F821
     """Greedy / temperature / top-k / top-p sampling per row (jittable).
 
     Args:
@@ -20,21 +21,18 @@ def sample(logits: Float[Array, "B V"], keys, temperature, top_k, top_p) -> Int[
       temperature: `[B]` float32, 0 = greedy.
       top_k: `[B]` int32, 0 = no limit.
       top_p: `[B]` float32 in (0, 1].
+      draw: static; False when the caller knows every row is greedy: the argmax alone, without
+        the sort over the vocabulary (as much time as a few layers of a small model's decode
+        step). A static flag, not a `lax.cond` on the temperatures: a conditional makes the
+        GPU step wait for its predicate on the host, and the host can no longer run ahead.
 
     Returns:
       `[B]` int32 tokens.
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    # The sort over the vocabulary costs as much as a few layers of a small model's decode step:
-    # a batch of greedy rows skips it.
-    return jax.lax.cond(jnp.any(temperature > 0),
-                        lambda: _drawn(logits, greedy, keys, temperature, top_k, top_p),
-                        lambda: greedy)
-
-
-def _drawn(logits, greedy, keys, temperature, top_k, top_p):
-    """`sample` when some row draws: every row through the sorted-vocabulary path."""
+    if not draw:
+        return greedy
     order = jnp.argsort(-logits, axis=-1)
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
     scaled = sorted_logits / jnp.maximum(temperature, 1e-6)[:, None]

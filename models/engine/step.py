@@ -152,7 +152,8 @@ def constrain_states(states: EngineKV, adapters, tp: sharding.TensorParallel | N
 
 
 def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds, temperature,
-          top_k, top_p, *, decode, implementation, adapters, counter, attend=None, tp=None):
+          top_k, top_p, *, decode, implementation, adapters, counter, attend=None, tp=None,
+          draw=True):
     counter["decode" if decode else "mixed"] += 1  # trace time only: counts compilations
     model = nnx.merge(graphdef, params)
     pools, tables, allocator = states
@@ -183,17 +184,18 @@ def _step(graphdef, params, states, ids, offsets, num_new, window, sinks, seeds,
     last = jnp.clip(num_new - 1, 0, ids.shape[1] - 1)
     h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [B, 1, D]
     logits = model.logits(h)[:, 0]
-    tokens = _sample_rows(logits, seeds, offsets + num_new, temperature, top_k, top_p, tp=tp)
+    tokens = _sample_rows(logits, seeds, offsets + num_new, temperature, top_k, top_p, tp=tp,
+                          draw=draw)
     return tokens, logits.astype(jnp.float32), states, decisions
 
 
-def _sample_rows(logits, seeds, positions, temperature, top_k, top_p, *, tp):
+def _sample_rows(logits, seeds, positions, temperature, top_k, top_p, *, tp, draw):
     """`sample` with the key of each row's next position; under a mesh each device samples its
     `B / D` rows (the sort over `[B, V]` is the step's largest part that does not shrink with
     the heads) and the tokens are gathered whole. Rows are independent: the same tokens."""
     def rows(logits, seeds, positions, temperature, top_k, top_p):
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
-        return sample(logits, keys, temperature, top_k, top_p)
+        return sample(logits, keys, temperature, top_k, top_p, draw=draw)
 
     args = (logits, seeds, positions, temperature, top_k, top_p)
     if tp is None or logits.shape[0] % tp.size:
@@ -219,14 +221,15 @@ free_rows = jax.jit(_free_rows, static_argnames=("adapters", "tp"), donate_argnu
 
 
 @functools.partial(jax.jit, static_argnums=0,
-                   static_argnames=("decode", "implementation", "adapters", "attend", "tp"),
+                   static_argnames=("decode", "implementation", "adapters", "attend", "tp",
+                                    "draw"),
                    donate_argnums=2)
 def jit_step(graphdef, params, states, *args, decode, implementation, adapters, attend=None,
-             tp=None):
+             tp=None, draw=True):
     """The jitted step (donates `states`): `(tokens [B], logits [B, V] float32, states,
-    decisions [B, L, K] int32 or None)`."""
+    decisions [B, L, K] int32 or None)`. `draw=False`: every row is greedy (`sample`)."""
     return _step(graphdef, params, states, *args, decode=decode, implementation=implementation,
-                 adapters=adapters, counter=TRACES, attend=attend, tp=tp)
+                 adapters=adapters, counter=TRACES, attend=attend, tp=tp, draw=draw)
 
 
 __all__ = ["TRACES", "EngineKV", "PagedAttend", "constrain_states", "free_rows", "jit_step"]

@@ -143,14 +143,18 @@ def test_streaming_policy_recycles_and_matches_windowed_forward(llama):
 
 
 def test_no_recompiles_over_200_decode_steps(llama):
-    """Joins, leaves, chunked prefill, streaming and dense requests: after warm-up, no trace."""
+    """Joins, leaves, chunked prefill, streaming and dense requests, greedy and sampled rows:
+    after warm-up, no trace."""
     layers, heads = len(llama.layers), llama.layers[0].mixer.cfg.num_kv_heads
     engine = Engine(llama, **SHAPE)
     streaming = Policy.streaming(layers, heads, window=16, sinks=8)  # holds <= 4 pages
-    a, b, c = prompts([9, 20, 25], seed=9)
-    engine.add(Request(a, SamplingParams(max_tokens=230), streaming))
+    a, b, c, d = prompts([9, 20, 25, 5], seed=9)
+    engine.add(Request(a, SamplingParams(max_tokens=245), streaming))
     engine.add(Request(b, SamplingParams(max_tokens=30)))
-    for _ in range(3):  # warm-up: the mixed and the decode step are compiled
+    drawn = engine.add(Request(d, SamplingParams(max_tokens=3, temperature=0.5, seed=2)))
+    while not drawn.done:  # warm-up: mixed and decode steps with a sampled row ...
+        engine.step()
+    for _ in range(2):  # ... and decode steps of greedy rows only (no vocabulary sort)
         engine.step()
     assert engine.stats["mixed_steps"] and engine.stats["decode_steps"]
     before = dict(engine_mod.TRACES)
@@ -198,15 +202,16 @@ def test_sample_top_k_and_top_p_restrict_support():
 
 
 def test_sample_greedy_rows_take_the_argmax_with_or_without_a_drawing_row():
-    """An all-greedy batch skips the sorted path; a greedy row next to a drawing row still gets
-    its argmax, and the drawing row draws (not its argmax every time)."""
+    """`draw=False` (every row greedy) is the argmax; with `draw=True` a greedy row next to a
+    drawing row still gets its argmax, and the drawing row draws (not its argmax every time)."""
     logits = jax.random.normal(jax.random.key(2), (3, 64)) * 3
     best = np.argmax(np.asarray(logits), -1)
     no_limit, whole = jnp.zeros((3,), jnp.int32), jnp.ones((3,), jnp.float32)
-    fn = jax.jit(sample)
+    fn = jax.jit(sample, static_argnames="draw")
     keys = jax.random.split(jax.random.key(3), 30).reshape(10, 3)
-    greedy = np.asarray(fn(logits, keys[0], jnp.zeros((3,)), no_limit, whole))
-    assert np.all(greedy == best)
+    for draw in (False, True):
+        greedy = np.asarray(fn(logits, keys[0], jnp.zeros((3,)), no_limit, whole, draw=draw))
+        assert np.all(greedy == best), draw
     hot = jnp.asarray([0.0, 5.0, 0.0])
     mixed = np.stack([np.asarray(fn(logits, k, hot, no_limit, whole)) for k in keys])
     assert np.all(mixed[:, [0, 2]] == best[[0, 2]])

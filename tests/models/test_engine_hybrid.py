@@ -185,10 +185,13 @@ def test_no_recompiles_over_200_decode_steps(load):
     model = load("qwen3_next")
     engine = Engine(model, **SHAPE)
     streaming = Policy.streaming(len(model.layers), engine.num_kv_heads, window=16, sinks=8)
-    a, b, c = prompts([9, 20, 25], seed=9)
-    engine.add(Request(a, SamplingParams(max_tokens=230), streaming))
+    a, b, c, d = prompts([9, 20, 25, 5], seed=9)
+    engine.add(Request(a, SamplingParams(max_tokens=245), streaming))
     engine.add(Request(b, SamplingParams(max_tokens=30)))
-    for _ in range(3):  # warm-up: the mixed and the decode step are compiled
+    drawn = engine.add(Request(d, SamplingParams(max_tokens=3, temperature=0.5, seed=2)))
+    while not drawn.done:  # warm-up: mixed and decode steps with a sampled row ...
+        engine.step()
+    for _ in range(2):  # ... and decode steps of greedy rows only
         engine.step()
     assert engine.stats["mixed_steps"] and engine.stats["decode_steps"]
     before = dict(engine_mod.TRACES)
