@@ -59,7 +59,7 @@ from models.engine import sharding
 from models.engine.adapters import ADAPTERS, resolve
 from models.engine.requests import Policy, Request, SamplingParams
 from models.engine.scheduler import Scheduler
-from models.engine.step import EngineKV, free_rows, jit_step
+from models.engine.step import EngineKV, StaticGraph, free_rows, jit_step
 
 
 class Engine:
@@ -181,7 +181,8 @@ class Engine:
         self.states = jax.tree.map(lambda x: jnp.array(x, copy=True), self.states)
         sizes = np.asarray([a.state_bytes(p) for a, p in zip(self.adapters, pools)], np.int64)
         self._layer_page_bytes, self._layer_slot_bytes = sizes[:, 0], sizes[:, 1]
-        self._graphdef, self._params = nnx.split(model)
+        graphdef, self._params = nnx.split(model)
+        self._graphdef = StaticGraph(graphdef)
         if self.tp is not None:
             self.states = self.place_state(self.states)
             self._params = sharding.place(
