@@ -32,9 +32,9 @@ written, block table, query offsets, key lengths, the policy's windows; see
 default. It is a static argument of the jitted steps (hashable; equal attends share them).
 
 Tensor parallelism, `Engine(model, mesh=mesh)`: the step runs under one mesh, every layer and
-its state split by head over `mesh_axis` (`models.engine.sharding`); the host side (scheduler,
-mirror, sampling parameters) is the same, and greedy tokens are those of one device up to the
-rounding of split reductions.
+its state split by head over `mesh_axis`, routed MoE experts by expert
+(`models.engine.sharding`); the host side (scheduler, mirror, sampling parameters) is the same,
+and greedy tokens are those of one device up to the rounding of split reductions.
 
 Not done here: paged layers with different KV head counts in one model, models without any paged
 layer, prefix sharing (GDN state would need snapshots at page borders), speculative decoding,
@@ -92,9 +92,9 @@ class Engine:
         docstring; `models.engine.sharding`). The model's weights and the engine's state are
         placed on it.
       mesh_axis: the mesh axis heads split over.
-      shard_weights: with a mesh, split the weights by head / column too (Megatron-style); False
-        keeps every weight whole on every device and splits only the KV state and the attention
-        over it.
+      shard_weights: with a mesh, split the weights by head / column too (Megatron-style; routed
+        MoE experts by expert: expert parallelism); False keeps every weight whole on every
+        device and splits only the KV state and the attention over it.
 
     Attributes:
       adapters: per model layer, its adapter (`models.engine.adapters`).
@@ -109,7 +109,8 @@ class Engine:
         layer, a setting or default policy an adapter refuses (an FP8 MLA latent, a window on
         MLA), sizes that cannot work, or `elastic=True` for a model with a paged layer that does
         not route, or with a policy, a mesh or an attend; an attend with `mla_attend` /
-        `gdn_mix`; `mesh_axis` not on the mesh; a head count the mesh axis size does not divide.
+        `gdn_mix`; `mesh_axis` not on the mesh; a head count (with `shard_weights`, also a MoE
+        layer's expert count) the mesh axis size does not divide.
       TypeError: an unhashable attend, a mesh that is not a `jax.sharding.Mesh`.
     """
 
@@ -130,6 +131,7 @@ class Engine:
                              f"attention; got mesh={mesh!r}, attend={attend!r}")
         if self.tp is not None:
             sharding.check_heads(self.adapters, mixers, self.tp)
+            sharding.check_experts(model, self.tp)
         for name, value in (("batch_slots", batch_slots), ("max_len", max_len),
                             ("page_size", page_size), ("chunk", chunk)):
             if not isinstance(value, int) or value < 1:
@@ -181,7 +183,9 @@ class Engine:
         self.states = jax.tree.map(lambda x: jnp.array(x, copy=True), self.states)
         sizes = np.asarray([a.state_bytes(p) for a, p in zip(self.adapters, pools)], np.int64)
         self._layer_page_bytes, self._layer_slot_bytes = sizes[:, 0], sizes[:, 1]
-        graphdef, self._params = nnx.split(model)
+        # Under a mesh with split weights, MoE layers step as expert-parallel blocks (a copy).
+        graphdef, self._params = nnx.split(
+            model if self.tp is None else sharding.expert_parallel(model, self.tp))
         self._graphdef = StaticGraph(graphdef)
         if self.tp is not None:
             self.states = self.place_state(self.states)

@@ -8,31 +8,39 @@ device of the axis. What splits, and how:
   `q_proj` / `q_b_proj` / `kv_b_proj`, GDN `in_proj_z` / `in_proj_b` / `in_proj_a`, MLP
   `gate_proj` / `up_proj`), the projections out of them by
   input row (`o_proj`, `out_proj`, `down_proj`; a MoE's shared expert too), GDN `A_log` /
-  `dt_bias` by value head; the embedding, the output head, norms, routers, MLA's `q_a_proj` /
-  `kv_a_proj`, GDN's `in_proj_qkv` / `in_proj_qkvz` / `in_proj_ba` (the conv input is kept
-  whole; Qwen3-Next's fused ones interleave it with the gates) and the stacked routed experts
-  `[E, ...]` stay whole on every device. A dimension the axis size does not divide stays whole.
-  XLA's SPMD partitioner places the rest (the all-reduce after each row-split projection) from
-  these shardings. The routed experts stay whole because the MoE dispatch runs a data-dependent
-  `lax.cond` per tile of rows: split stacks put collectives inside it, which devices may reach
-  in different orders (a deadlock).
+  `dt_bias` by value head, the routed expert stacks `[E, ...]` (the rank-3 parameters of a
+  module named `experts`) by expert; the embedding, the output head, norms, routers, MLA's
+  `q_a_proj` / `kv_a_proj`, GDN's `in_proj_qkv` / `in_proj_qkvz` / `in_proj_ba` (the conv
+  input is kept whole; Qwen3-Next's fused ones interleave it with the gates) stay whole on
+  every device. A dimension the axis size does not divide stays whole. XLA's SPMD partitioner
+  places the rest (the all-reduce after each row-split projection) from these shardings.
 * Every layer's mixer core runs under `shard_map` on this device's heads (`sharded_attend`), as
   its adapter's `tp_specs` says: attention over its KV heads' pages, MLA's query heads over the
   whole latent cache, GDN's delta rule over its value heads (the conv on every device). Custom
   kernels (Triton, Mosaic GPU) inside need no partitioning rule this way.
+* Routed MoE (`models.layers.moe.MoE`, Qwen3-Next / Qwen3.5 / DeepSeek-V3 / V2), with split
+  weights: expert parallelism. The engine steps a copy of the model whose MoE blocks carry an
+  `ExpertParallel` (`expert_parallel`): the routed part runs under `shard_map`, every device
+  routes all tokens with the whole router, dispatches only the choices of its `E / D` experts
+  on its stacks, and one float32 `psum` outside the dispatch adds the partial outputs. The
+  partitioner never sees a split stack: it would put collectives inside the dispatch's
+  data-dependent per-tile `lax.cond`, which devices may reach in different orders (a
+  deadlock). Shared experts split as dense MLPs do.
 * State: attention page pools split by KV head, GDN ssm slots by value head (`kv.sharding`); MLA
   latent pools, GDN conv slots, the block tables and the page allocator are whole on every
   device (every device runs the same allocation on the same tables).
 
-`shard_weights=False` keeps every weight whole on every device and gathers the heads' outputs
-after each mixer: only the KV state and the attention over it split. It needs the whole model on
-every device, and each device does every matmul; in exchange every matmul has the one-device
-shapes and operands (the split-reduction order of a row-split projection is gone).
+`shard_weights=False` keeps every weight whole on every device (routed experts included, the MoE
+then runs as on one device) and gathers the heads' outputs after each mixer: only the KV state
+and the attention over it split. It needs the whole model on every device, and each device does
+every matmul; in exchange every matmul has the one-device shapes and operands (the
+split-reduction order of a row-split projection is gone).
 
-Head counts must divide the axis size (`check_heads`; a ValueError names the layer and the
-count). Not done here: fewer KV heads than devices (replicated KV heads), split routed experts
-(expert parallelism would need the dispatch under `shard_map`), a mesh with routed (elastic)
-layers, pipeline parallelism.
+Head counts must divide the axis size (`check_heads`), and with split weights so must every MoE
+layer's expert count (`check_experts`); a ValueError names the layer and the count. Not done
+here: fewer KV heads than devices (replicated KV heads), experts on another mesh axis than the
+heads (expert parallelism shares the tensor-parallel axis), token dispatch by all-to-all (every
+device routes every token), a mesh with routed (elastic) layers, pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -42,14 +50,18 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from models.layers.moe import ExpertParallel, MoE
 
 # Output-column split (into heads) and input-row split (out of heads) projections, by name.
 COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj",
                     "up_proj", "in_proj_z", "in_proj_b", "in_proj_a"})
 ROW = frozenset({"o_proj", "down_proj", "out_proj"})
 PER_V_HEAD = frozenset({"A_log", "dt_bias"})
+EXPERTS = "experts"  # a module of this name holds routed expert stacks [E, ...] (rank 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +120,45 @@ def check_heads(adapters, mixers, tp: TensorParallel) -> None:
                     f"evenly (use a mesh axis size that divides {count})")
 
 
+def moe_layers(model) -> dict[int, MoE]:
+    """The model layers whose MLP is a routed `MoE`, by layer index."""
+    return {i: layer.mlp for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)}
+
+
+def _num_experts(moe: MoE) -> int:
+    return jax.tree.leaves(nnx.state(moe.experts))[0].shape[0]
+
+
+def check_experts(model, tp: TensorParallel) -> None:
+    """Every MoE layer's routed experts split evenly over `tp.axis` (with split weights).
+
+    Raises:
+      ValueError: an expert count the axis size does not divide (naming the layer, the count
+        and the size).
+    """
+    if not tp.shard_weights:
+        return
+    for i, moe in moe_layers(model).items():
+        num = _num_experts(moe)
+        if num % tp.size:
+            raise ValueError(
+                f"layer {i} (moe): num_experts={num} is not divisible by the mesh axis "
+                f"{tp.axis!r} of size {tp.size}; expert parallelism splits the routed experts "
+                f"evenly (use a mesh axis size that divides {num}, or shard_weights=False)")
+
+
+def expert_parallel(model, tp: TensorParallel):
+    """The model the engine steps: with split weights and MoE layers, a copy (sharing the
+    weights) whose MoE blocks run their routed part split by expert (`MoE.expert_parallel`);
+    else `model` itself. The caller's model is left as it is."""
+    if not tp.shard_weights or not moe_layers(model):
+        return model
+    copy = nnx.merge(*nnx.split(model))
+    for moe in moe_layers(copy).values():
+        moe.expert_parallel = ExpertParallel(tp.mesh, tp.axis)
+    return copy
+
+
 def _names(path) -> list:
     return [getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path]
 
@@ -122,6 +173,8 @@ def param_spec(path, shape: tuple[int, ...], tp: TensorParallel) -> P:
     elif last == "bias" and len(shape) == 1 and parent in COLUMN:
         dim = 0
     elif len(shape) == 1 and last in PER_V_HEAD:
+        dim = 0
+    elif len(shape) == 3 and parent == EXPERTS:  # a routed expert stack: by expert
         dim = 0
     if dim is None or shape[dim] % tp.size:
         return P()
@@ -206,5 +259,5 @@ def sharded_attend(ctx, adapter, spec, inputs, state) -> tuple[Any, Any]:
     return o, state
 
 
-__all__ = ["TensorParallel", "check_heads", "param_spec", "param_specs", "place",
-           "sharded_attend", "state_specs"]
+__all__ = ["TensorParallel", "check_experts", "check_heads", "expert_parallel", "moe_layers",
+           "param_spec", "param_specs", "place", "sharded_attend", "state_specs"]

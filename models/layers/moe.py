@@ -18,16 +18,29 @@ by expert, then either
 * `"tiles"`: each expert's rows are padded to whole tiles of `b` rows, and a `lax.map` over
   tiles runs one expert's SwiGLU per tile. Work is at most `M*k + min(E, M*k) * (b-1)` rows.
 `"dense"` runs every expert on every token: the test oracle only. `"auto"` picks `ragged_dot`
-on a GPU and `tiles` elsewhere.
+on a GPU and `tiles` elsewhere. A row whose expert id is outside `[0, E)` is skipped by every
+method (it adds 0): expert parallelism hands a device's dispatch the ids of its own experts only.
+
+Expert parallelism (`MoE.expert_parallel = ExpertParallel(mesh, axis)`, set by the engine under
+a mesh): the block's routed part runs under `jax.shard_map` over `axis` with every stack of the
+experts module split by expert (device `i` of `D` holds experts `[i E / D, (i + 1) E / D)`).
+Every device runs the router (whole) on all tokens, keeps the choices of its own experts (the
+others become skipped ids of weight 0), dispatches them on its local stacks, and one `psum`
+(float32) outside the dispatch adds the devices' partial outputs. No collective runs inside the
+dispatch's per-tile `lax.cond`. The tiles path sizes its tiles as if every row were local
+(static shapes), so a device pads its rows more than one device would.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from models.layers.linear import GatedMLP, Linear, activation, weight
@@ -105,10 +118,11 @@ def _tiles_ffn(xs, sorted_e, group_sizes, wg, wu, wd, act):
     """Expert FFN over rows sorted by expert, one expert per tile of padded rows.
 
     Args:
-      xs: `[R, D]` rows sorted by expert; sorted_e: `[R]` their experts; group_sizes: `[E]`.
+      xs: `[R, D]` rows sorted by expert, skipped rows (an id outside the stack) last;
+        sorted_e: `[R]` their experts; group_sizes: `[E]` rows of each expert.
 
     Returns:
-      `[R, D]` outputs in the same (sorted) order.
+      `[R, D]` outputs in the same (sorted) order; 0 in skipped rows.
     """
     rows, dim = xs.shape
     num_experts = wg.shape[0]
@@ -118,9 +132,12 @@ def _tiles_ffn(xs, sorted_e, group_sizes, wg, wu, wd, act):
     pad_end = jnp.cumsum(padded)
     pad_start = pad_end - padded
     start = jnp.cumsum(group_sizes) - group_sizes
-    rank = jnp.arange(rows, dtype=jnp.int32) - start[sorted_e]
+    row = jnp.arange(rows, dtype=jnp.int32)
+    rank = row - start[sorted_e]
     dest = (pad_start[sorted_e] + rank).astype(jnp.int32)  # [R], unique, < num_tiles * b
-    xp = jnp.zeros((num_tiles * b, dim), xs.dtype).at[dest].set(xs, unique_indices=True)
+    dest = jnp.where(row < jnp.sum(group_sizes), dest, num_tiles * b)  # skipped rows: dropped
+    xp = jnp.zeros((num_tiles * b, dim), xs.dtype).at[dest].set(xs, mode="drop",
+                                                                unique_indices=True)
     tile_start = jnp.arange(num_tiles, dtype=pad_end.dtype) * b
     tile_expert = jnp.minimum(jnp.searchsorted(pad_end, tile_start, side="right"),
                               num_experts - 1)
@@ -132,7 +149,7 @@ def _tiles_ffn(xs, sorted_e, group_sizes, wg, wu, wd, act):
                             lambda: jnp.zeros_like(xt))
 
     yp = jax.lax.map(one_tile, (xp.reshape(num_tiles, b, dim), tile_expert, used))
-    return yp.reshape(num_tiles * b, dim)[dest]
+    return yp.reshape(num_tiles * b, dim).at[dest].get(mode="fill", fill_value=0)
 
 
 def moe_sorted(x, ids, weights, wg, wu, wd, act="silu", *, dispatch="auto"):
@@ -140,7 +157,7 @@ def moe_sorted(x, ids, weights, wg, wu, wd, act="silu", *, dispatch="auto"):
 
     Args:
       x: `[M, D]`.
-      ids: `[M, k]` int expert ids in `[0, E)`.
+      ids: `[M, k]` int expert ids; a row with an id outside `[0, E)` is skipped (adds 0).
       weights: `[M, k]` routing weights.
       wg, wu: `[E, D, I]`; wd: `[E, I, D]` stacked SwiGLU weights.
       act: activation name.
@@ -162,13 +179,15 @@ def moe_sorted(x, ids, weights, wg, wu, wd, act="silu", *, dispatch="auto"):
     m, k = ids.shape
     num_experts = wg.shape[0]
     flat = ids.reshape(m * k).astype(jnp.int32)
-    order = jnp.argsort(flat, stable=True)  # rows grouped by expert
+    flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # E: skipped
+    order = jnp.argsort(flat, stable=True)  # rows grouped by expert, skipped rows last
     sorted_e = flat[order]
     xs = x[order // k]  # [R, D]
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     if dispatch == "ragged_dot":
         h = fn(jax.lax.ragged_dot(xs, wg, group_sizes)) * jax.lax.ragged_dot(xs, wu, group_sizes)
         ys = jax.lax.ragged_dot(h, wd, group_sizes)
+        ys = jnp.where((sorted_e < num_experts)[:, None], ys, jnp.zeros((), ys.dtype))
     else:
         ys = _tiles_ffn(xs, sorted_e, group_sizes, wg, wu, wd, fn)
     y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True).reshape(m, k, -1)
@@ -205,14 +224,69 @@ class SwiGLUExperts(nnx.Module):
                           self.down_proj[...], self.act, dispatch=dispatch or self.dispatch)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """A MoE block's routed part split by expert over mesh axis `axis` (module docstring).
+
+    Hashable: it is static data of the model's graph (`MoE.expert_parallel`). Every parameter of
+    the experts module is a stack `[E, ...]` whose leading axis the axis size must divide; the
+    router's parameters enter whole.
+
+    Attributes:
+      mesh: the devices (explicit axes are not supported: the engine passes automatic ones).
+      axis: the mesh axis the experts split over.
+    """
+
+    mesh: Mesh
+    axis: str
+
+    def __call__(self, router: nnx.Module, experts: nnx.Module,
+                 x: Float[Array, "M D"]) -> Float[Array, "M D"]:
+        """`experts(x, *router(x))` with the stacks split over `axis`, in x's dtype.
+
+        Raises:
+          ValueError: an experts parameter that is not an `[E, ...]` stack the axis size
+            divides.
+        """
+        size = self.mesh.shape[self.axis]
+        router_def, router_state = nnx.split(router)
+        experts_def, experts_state = nnx.split(experts)
+        stacks = jax.tree.leaves(experts_state)
+        num = {a.shape[0] if a.ndim else None for a in stacks}
+        if len(num) != 1 or None in num or next(iter(num)) % size:
+            raise ValueError(f"expert parallelism needs every experts parameter to be a stack "
+                             f"[E, ...] with E divisible by the mesh axis {self.axis!r} of size "
+                             f"{size}; got leading dims {sorted(a.shape[0] for a in stacks)}")
+        local = next(iter(num)) // size
+
+        def body(router_state, experts_state, x):
+            ids, weights = nnx.merge(router_def, router_state)(x)  # [M, k], all experts
+            rel = ids - jax.lax.axis_index(self.axis) * local
+            mine = (rel >= 0) & (rel < local)
+            y = nnx.merge(experts_def, experts_state)(
+                x, jnp.where(mine, rel, local), jnp.where(mine, weights, 0.0))
+            return jax.lax.psum(y.astype(jnp.float32), self.axis)  # [M, D]
+
+        whole = jax.tree.map(lambda _: P(), router_state)
+        split = jax.tree.map(lambda _: P(self.axis), experts_state)
+        y = jax.shard_map(body, mesh=self.mesh, in_specs=(whole, split, P()), out_specs=P(),
+                          check_vma=False)(router_state, experts_state, x)
+        return y.astype(x.dtype)
+
+
 class MoE(nnx.Module):
     """Router + routed experts (+ shared expert, optionally sigmoid-gated), on `[..., D]`.
 
     Args:
       router: a module `x [M, D] -> (ids [M, k], weights [M, k])`.
-      experts: `SwiGLUExperts`.
+      experts: `SwiGLUExperts` (or a module with its call and `[E, ...]` stacks).
       shared: optional `GatedMLP` applied to every token.
       shared_gate: optional `Linear(D, 1)`: the shared output is scaled by its sigmoid.
+
+    Attributes:
+      expert_parallel: None (every expert here), or an `ExpertParallel`: the routed part runs
+        split by expert over a mesh axis (the engine sets it on its copy of a model); the shared
+        expert is unaffected.
     """
 
     def __init__(self, router: nnx.Module, experts: SwiGLUExperts, *,
@@ -221,11 +295,14 @@ class MoE(nnx.Module):
         self.experts = experts
         self.shared = shared
         self.shared_gate = shared_gate
+        self.expert_parallel: ExpertParallel | None = None
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         flat = x.reshape(-1, x.shape[-1])
-        ids, weights = self.router(flat)
-        y = self.experts(flat, ids, weights)
+        if self.expert_parallel is None:
+            y = self.experts(flat, *self.router(flat))
+        else:
+            y = self.expert_parallel(self.router, self.experts, flat)
         if self.shared is not None:
             s = self.shared(flat)
             if self.shared_gate is not None:
