@@ -87,7 +87,7 @@ def ring_causal_conv1d(
         implementation, an axis name not in the mesh.
       TypeError: non-floating tensors, `mesh` not a `jax.sharding.Mesh`.
     """
-    _check(x, weight, bias, initial_state, activation, layout, implementation)
+    check_conv(x, weight, bias, initial_state, activation, layout, implementation)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh={mesh!r} (type {type(mesh).__name__}) must be a jax.sharding.Mesh")
     if axis_name not in mesh.axis_names:
@@ -131,7 +131,7 @@ def ring_causal_conv1d_local(
         `[1, D * T]`, an `axis_name` not bound by an enclosing `shard_map`.
       TypeError: as `ring_causal_conv1d`.
     """
-    _check(x, weight, bias, initial_state, activation, layout, implementation)
+    check_conv(x, weight, bias, initial_state, activation, layout, implementation)
     seq_len = check_local(x.shape[1], axis_name, seq_len, layout)
     state = _state_or_zeros(initial_state, x, weight.shape[1])
     return conv_shard(x, weight, bias, state, axis_name=axis_name, layout=layout,
@@ -155,7 +155,7 @@ def conv_shard(x, weight, bias, initial_state, *, axis_name: str, layout: str, s
         blocks = x.reshape(b, 2, t // 2, c)  # [B, 2, T/2, C]: chunks d and 2D - 1 - d
         starts = _layout.chunk_starts(num, t // 2, axis_name)
     halos = _halos(blocks, init, axis_name, num, d)  # [B, nb, W - 1, C]
-    nb, tb = blocks.shape[1:3]
+    nb = blocks.shape[1]
     rows = lambda a: a.reshape(b * nb, *a.shape[2:])
     state = jnp.swapaxes(rows(halos), 1, 2)  # [B nb, C, W - 1]
     if m == 0:  # no taps before the current token: attn.conv1d's op refuses W = 1
@@ -285,7 +285,7 @@ def _state_or_zeros(initial_state, x, width: int):
     return initial_state.astype(x.dtype)
 
 
-def _check(x, weight, bias, initial_state, activation, layout, implementation) -> None:
+def check_conv(x, weight, bias, initial_state, activation, layout, implementation) -> None:
     """The checks of `attn.conv1d.causal_conv1d` (without `cu_seqlens`), `W >= 1`."""
     _checks.check_floating("x", x)
     _checks.check_rank("x", x, 3, "B S C")

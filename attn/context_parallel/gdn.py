@@ -26,6 +26,10 @@ Layouts (`layout=`):
 
 Padding at the end of the sequence (zero q, k, v, g, beta) leaves the state unchanged (`M = I`,
 nothing added), so lengths that do not split evenly are padded and the padded outputs dropped.
+
+`ring_gdn_mixer` / `ring_gdn_mixer_local` are a whole layer's mix step (`models.layers.gdn.gdn_mix`:
+conv, SiLU, split into `[q │ k │ v]`, delta rule) over the sharded sequence: `ring_causal_conv1d`
+(`conv1d.py`, halo rows by `ppermute`) then the ring above, in one layout, with both states.
 """
 
 from __future__ import annotations
@@ -34,11 +38,15 @@ import functools
 
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh
 from jaxtyping import Array, Float
 
+from attn import _checks
+from attn.context_parallel import conv1d
+from attn.context_parallel.conv1d import check_conv, check_local, conv_shard, run_global
 from attn.gdn import gdn_chunked
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = conv1d.LAYOUTS  # the conv and the delta rule share the layouts
 
 
 def block_transfer(q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, implementation):
@@ -142,3 +150,162 @@ def ring_gdn_shard(
     out = jnp.concatenate([_finish(o0[:, 0], oi[:, 0], s_a, q.dtype),
                            _finish(o0[:, 1], oi[:, 1], s_b, q.dtype)], axis=1)
     return out, final
+
+
+def ring_gdn_mixer(
+    x: Float[Array, "B S C"], conv_weight: Float[Array, "C W"], g: Float[Array, "B S Nv"],
+    beta: Float[Array, "B S Nv"], *, mesh: Mesh, axis_name: str, num_k_heads: int,
+    head_k_dim: int, conv_state: Float[Array, "B C Wm1"] | None = None,
+    ssm_state: Float[Array, "B Nv H Hv"] | None = None, scale: float | None = None,
+    chunk_size: int = 64, layout: str = "contiguous", implementation: str = "auto",
+) -> tuple[Float[Array, "B S Nv Hv"], Float[Array, "B C Wm1"], Float[Array, "B Nv H Hv"]]:
+    """The conv and delta rule of a Gated DeltaNet layer (`models.layers.gdn.gdn_mix`) with the
+    sequence sharded over `mesh`'s axis `axis_name`: `ring_causal_conv1d` (SiLU, no bias), split
+    into `[q │ k │ v]`, `ring_gdn` with l2-normalised q, k.
+
+    Args:
+      x: `[B, S, C]` pre-conv channels `[q (Nk H) │ k (Nk H) │ v (Nv Hv)]` in sequence order
+        (`GDNInputs.x`).
+      conv_weight: `[C, W]` conv taps.
+      g, beta: `[B, S, Nv]` float32 log-decay (<= 0) and write strength.
+      mesh: the device mesh; the sequence is sharded over `axis_name`, other axes replicate.
+      axis_name: a name in `mesh.axis_names`.
+      num_k_heads, head_k_dim: Nk and H (Nv comes from `g`, Hv from `C`).
+      conv_state: `[B, C, W - 1]` conv inputs before the sequence (None: zeros).
+      ssm_state: `[B, Nv, H, Hv]` delta-rule state before the sequence (None: zeros).
+      scale, chunk_size: the delta rule's query scale (default `H ** -0.5`) and chunk size.
+      layout: `"contiguous"` or `"zigzag"`; the result is the same.
+      implementation: the backend of each block's conv and chunked delta rule.
+
+    Returns:
+      `(o [B, S, Nv, Hv] in x's dtype, conv_state [B, C, W - 1] in x's dtype, ssm_state
+      [B, Nv, H, Hv] float32)`, as `gdn_mix`'s output and `GDNState`.
+
+    Raises:
+      ValueError: wrong ranks or sizes (C not `2 Nk H + Nv Hv`, `Nv % Nk != 0`, states of
+        other shapes), an axis name not in the mesh, an unknown layout or implementation.
+      TypeError: non-floating tensors, `mesh` not a `jax.sharding.Mesh`.
+    """
+    hv = _check_mixer(x, conv_weight, g, beta, conv_state, ssm_state, num_k_heads, head_k_dim,
+                      layout, implementation)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh={mesh!r} (type {type(mesh).__name__}) must be a jax.sharding.Mesh")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
+                         f"{tuple(mesh.axis_names)}")
+    conv_state, ssm_state = _states(x, conv_weight, g, conv_state, ssm_state, head_k_dim, hv)
+
+    def local(x, g, beta, conv_weight, conv_state, ssm_state, **where):
+        o, conv_out, ssm_out = mixer_shard(
+            x, conv_weight, g, beta, conv_state, ssm_state, num_k_heads=num_k_heads,
+            head_k_dim=head_k_dim, scale=scale, chunk_size=chunk_size,
+            implementation=implementation, **where)
+        return (o,), (conv_out, ssm_out)
+
+    (o,), (conv_out, ssm_out) = run_global(local, (x, g, beta), (conv_weight, conv_state,
+                                                                 ssm_state),
+                                           mesh=mesh, axis_name=axis_name, layout=layout)
+    return o, conv_out, ssm_out
+
+
+def ring_gdn_mixer_local(
+    x: Float[Array, "B T C"], conv_weight: Float[Array, "C W"], g: Float[Array, "B T Nv"],
+    beta: Float[Array, "B T Nv"], *, axis_name: str, num_k_heads: int, head_k_dim: int,
+    conv_state: Float[Array, "B C Wm1"] | None = None,
+    ssm_state: Float[Array, "B Nv H Hv"] | None = None, seq_len: int | None = None,
+    scale: float | None = None, chunk_size: int = 64, layout: str = "zigzag",
+    implementation: str = "auto",
+) -> tuple[Float[Array, "B T Nv Hv"], Float[Array, "B C Wm1"], Float[Array, "B Nv H Hv"]]:
+    """`ring_gdn_mixer` on this device's block, inside the caller's `shard_map`.
+
+    A model whose activations stay sharded in `layout` runs its GDN layers through the layer's
+    mix hook (`models/layers/gdn.py`: the layer calls `attend.gdn_mix(spec, inputs, state)` when
+    the attend object has one; the projections, gates, gated norm and `out_proj` are per token
+    and run on the block unchanged):
+
+        def gdn_mix(spec, inputs, state):
+            o, conv, ssm = ring_gdn_mixer_local(
+                inputs.x, inputs.conv_weight, inputs.g, inputs.beta, axis_name="sp",
+                num_k_heads=spec.num_k_heads, head_k_dim=spec.head_k_dim,
+                conv_state=None if state is None else state.conv,
+                ssm_state=None if state is None else state.ssm, seq_len=seq_len,
+                scale=spec.scale, chunk_size=spec.chunk_size)
+            return o, GDNState(conv, ssm)
+
+    Args:
+      x, g, beta: this device's block of `layout` (zigzag: `T` even).
+      axis_name: the `shard_map` axis the sequence is sharded over.
+      conv_state, ssm_state: states before the sequence, the same on every device.
+      seq_len: real length `S <= D * T`; tokens at positions `>= S` are padding: their outputs
+        are garbage, and they change neither state (default `D * T`).
+      conv_weight, num_k_heads, head_k_dim, scale, chunk_size, layout, implementation: as
+        `ring_gdn_mixer`.
+
+    Returns:
+      `(o [B, T, Nv, Hv] for this device's tokens, conv_state, ssm_state)`, the states the same
+      on every device.
+
+    Raises:
+      ValueError: as `ring_gdn_mixer`; an odd `T` with the zigzag layout, `seq_len` outside
+        `[1, D * T]`, an `axis_name` not bound by an enclosing `shard_map`.
+      TypeError: non-floating tensors.
+    """
+    hv = _check_mixer(x, conv_weight, g, beta, conv_state, ssm_state, num_k_heads, head_k_dim,
+                      layout, implementation)
+    seq_len = check_local(x.shape[1], axis_name, seq_len, layout)
+    conv_state, ssm_state = _states(x, conv_weight, g, conv_state, ssm_state, head_k_dim, hv)
+    return mixer_shard(x, conv_weight, g, beta, conv_state, ssm_state, axis_name=axis_name,
+                       layout=layout, seq_len=seq_len, num_k_heads=num_k_heads,
+                       head_k_dim=head_k_dim, scale=scale, chunk_size=chunk_size,
+                       implementation=implementation)
+
+
+def mixer_shard(x, conv_weight, g, beta, conv_state, ssm_state, *, axis_name: str, layout: str,
+                seq_len: int, num_k_heads: int, head_k_dim: int, scale: float | None,
+                chunk_size: int, implementation: str):
+    """One device's share of `ring_gdn_mixer` (inside `shard_map`; states not None)."""
+    y, conv_out = conv_shard(x, conv_weight, None, conv_state, axis_name=axis_name,
+                             layout=layout, seq_len=seq_len, activation="silu",
+                             implementation=implementation)
+    b, t, _ = y.shape
+    kd = num_k_heads * head_k_dim
+    nv = g.shape[-1]
+    q = y[..., :kd].reshape(b, t, num_k_heads, head_k_dim)  # [q │ k │ v]: split_qkv's order
+    k = y[..., kd:2 * kd].reshape(b, t, num_k_heads, head_k_dim)
+    v = y[..., 2 * kd:].reshape(b, t, nv, -1)
+    o, ssm_out = ring_gdn_shard(q, k, v, g, beta, ssm_state, axis_name=axis_name, layout=layout,
+                                seq_len=seq_len, scale=scale, use_qk_l2norm=True,
+                                chunk_size=chunk_size, implementation=implementation)
+    return o, conv_out, ssm_out
+
+
+def _states(x, conv_weight, g, conv_state, ssm_state, head_k_dim: int, hv: int):
+    """The states as given, zeros for None (conv in x's dtype, ssm float32)."""
+    b, nv = x.shape[0], g.shape[-1]
+    if conv_state is None:
+        conv_state = jnp.zeros((b, x.shape[2], conv_weight.shape[1] - 1), x.dtype)
+    if ssm_state is None:
+        ssm_state = jnp.zeros((b, nv, head_k_dim, hv), jnp.float32)
+    return conv_state.astype(x.dtype), ssm_state.astype(jnp.float32)
+
+
+def _check_mixer(x, conv_weight, g, beta, conv_state, ssm_state, num_k_heads, head_k_dim,
+                 layout, implementation) -> int:
+    """Checks of the mixer entry points; returns Hv."""
+    check_conv(x, conv_weight, None, conv_state, "silu", layout, implementation)
+    _checks.check_positive("num_k_heads", num_k_heads)
+    _checks.check_positive("head_k_dim", head_k_dim)
+    _checks.check_rank("g", g, 3, "B S Nv")
+    _checks.check_same("g.shape", g.shape, "beta.shape", beta.shape)
+    _checks.check_same("g.shape[:2] (B, S)", g.shape[:2], "x.shape[:2] (B, S)", x.shape[:2])
+    nv = g.shape[-1]
+    _checks.check_divisible("num_v_heads Nv", nv, "num_k_heads Nk", num_k_heads)
+    value = x.shape[2] - 2 * num_k_heads * head_k_dim
+    if value <= 0 or value % nv:
+        raise ValueError(f"channels C={x.shape[2]} must be 2 * Nk * H = "
+                         f"{2 * num_k_heads * head_k_dim} plus Nv * Hv with Nv={nv}")
+    hv = value // nv
+    if ssm_state is not None:
+        _checks.check_same("ssm_state.shape", tuple(ssm_state.shape), "[B, Nv, H, Hv]",
+                           (x.shape[0], nv, head_k_dim, hv))
+    return hv
