@@ -8,11 +8,15 @@ than slots, so chunked prefill, mixed prefill / decode steps and slot reuse are 
 a one-device engine and a 4-way tensor-parallel one, and requires identical tokens (greedy and
 sampled rows: each device samples its rows with the rows' own keys), next-token logits within
 float32 rounding, the state split by head on the mesh (one device holds `K / 4` heads of every
-page pool, `Nv / 4` of every GDN ssm pool), the page tables equal to the host mirror, every page
-free at the end, and no new compilation for a second batch.
+page pool, `Nv / 4` of every GDN ssm pool), with split weights every routed MoE layer expert
+parallel (one device holds `E / 4` experts of every stack, the router whole; the caller's model
+untouched), the page tables equal to the host mirror, every page free at the end, and no new
+compilation for a second batch.
 
-Head counts the mesh axis does not divide raise a ValueError naming the count (also checked in
-the worker: it needs the 4 devices); the in-process tests cover the errors a 1-device mesh shows.
+Head and expert counts the mesh axis does not divide raise a ValueError naming the count (also
+checked in the worker: it needs the 4 devices); the in-process tests cover the errors a 1-device
+mesh shows, the expert-count check on its own, and the dispatch's split by expert: the partial
+outputs of expert shards add up to the whole layer's.
 """
 
 from __future__ import annotations
@@ -70,8 +74,9 @@ CASES = {
     "qwen3-sliding": ("qwen3", True, 4),
     "qwen3_next-gdn-moe": ("qwen3_next", True, 2),
     "deepseek_v3-mla-moe": ("deepseek_v3", True, 2),
+    "qwen3_next-whole-weights": ("qwen3_next", False, 2),
 }
-SLOW = {"qwen3-sliding", "llama-whole-weights"}  # their coverage is also in the other cases
+SLOW = {"qwen3-sliding", "llama-whole-weights", "qwen3_next-whole-weights"}  # covered elsewhere
 
 
 def build(name: str, seed: int = 0, **overrides):
@@ -133,6 +138,7 @@ def _check(name: str) -> None:
     q_kernel = next(x for p, x in jax.tree_util.tree_flatten_with_path(tp._params)[0]
                     if "kernel" in str(p) and ("q_proj" in str(p) or "q_b_proj" in str(p)))
     assert q_kernel.sharding.is_fully_replicated == (not shard_weights), name
+    _check_experts_split(name, model, tp, shard_weights)
     tp.check_page_tables()
     assert not tp.kv_usage()["pages"].any(), f"{name}: pages left after the run"
     traces = dict(engine_mod.TRACES)
@@ -140,16 +146,41 @@ def _check(name: str) -> None:
     assert again == want and dict(engine_mod.TRACES) == traces, f"{name}: recompiled or differs"
 
 
+def _check_experts_split(name: str, model, tp, shard_weights: bool) -> None:
+    """With split weights every MoE layer of the stepped model is expert parallel and each
+    device holds `E / 4` experts of every routed stack (router whole); else all whole. The
+    caller's model is not changed."""
+    from models.engine import sharding
+
+    stepped = nnx.merge(tp._graphdef.graphdef, tp._params)
+    layers = sharding.moe_layers(stepped)
+    assert bool(layers) == (CASES[name][0] in ("qwen3_next", "deepseek_v3")), name
+    for i, moe in layers.items():
+        assert (moe.expert_parallel is not None) == shard_weights, f"{name}: layer {i}"
+        assert all(m.expert_parallel is None for m in sharding.moe_layers(model).values()), name
+        stacks = jax.tree.leaves(nnx.state(moe.experts))
+        assert stacks and all(a.ndim == 3 for a in stacks), f"{name}: layer {i}"
+        for a in stacks:
+            local = a.addressable_shards[0].data.shape
+            want = a.shape[0] // NUM_DEVICES if shard_weights else a.shape[0]
+            assert local == (want, *a.shape[1:]), f"{name}: layer {i} stack {local} of {a.shape}"
+        router = jax.tree.leaves(nnx.state(moe.router))
+        assert all(a.sharding.is_fully_replicated for a in router), f"{name}: layer {i} router"
+
+
 def _check_errors() -> None:
-    """Head counts 4 devices do not divide raise a ValueError naming the value."""
+    """Head and expert counts 4 devices do not divide raise a ValueError naming the value."""
     from models.engine import Engine
 
     mesh = jax.make_mesh((NUM_DEVICES,), ("tp",))
-    for overrides, message in (
-            (dict(num_key_value_heads=2), "num_kv_heads=2 is not divisible by the mesh axis "
-                                          "'tp' of size 4"),
-            (dict(num_attention_heads=6, num_key_value_heads=6), "num_heads=6 is not divisible")):
-        model = build("llama", **overrides)
+    for config, overrides, message in (
+            ("llama", dict(num_key_value_heads=2), "num_kv_heads=2 is not divisible by the "
+                                                   "mesh axis 'tp' of size 4"),
+            ("llama", dict(num_attention_heads=6, num_key_value_heads=6),
+             "num_heads=6 is not divisible"),
+            ("qwen3_next", dict(num_experts=6), "layer 0 (moe): num_experts=6 is not divisible "
+                                                "by the mesh axis 'tp' of size 4")):
+        model = build(config, **overrides)
         try:
             Engine(model, mesh=mesh, **SHAPE)
         except ValueError as e:
@@ -162,7 +193,7 @@ def _worker() -> None:
     """Subprocess entry: one JSON line `{case: "ok" | error}` plus the device count."""
     verdicts = {}
     checks = {name: (lambda n=name: _check(n)) for name in CASES}
-    checks["errors-heads-not-divisible"] = _check_errors
+    checks["errors-not-divisible"] = _check_errors
     only = set(sys.argv[1:])
     for name, fn in checks.items():
         if only and name not in only:
@@ -197,7 +228,7 @@ def sharded_run(request):
 
 
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
-         for n in [*CASES, "errors-heads-not-divisible"]]
+         for n in [*CASES, "errors-not-divisible"]]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -217,6 +248,69 @@ def test_mesh_errors():
         Engine(model, mesh=mesh, mesh_axis="model", **SHAPE)
     with pytest.raises(TypeError, match="must be a jax.sharding.Mesh"):
         Engine(model, mesh="tp", **SHAPE)
+
+
+def test_expert_count_not_divisible():
+    """`check_experts` on its own (one device here: a stand-in setting of axis size 3)."""
+    from types import SimpleNamespace
+
+    from models.engine import sharding
+
+    model = build("qwen3_next")  # E = 4 on layer 0
+    tp = SimpleNamespace(axis="tp", size=3, shard_weights=True)
+    with pytest.raises(ValueError, match=r"layer 0 \(moe\): num_experts=4 is not divisible by "
+                                         r"the mesh axis 'tp' of size 3"):
+        sharding.check_experts(model, tp)
+    sharding.check_experts(model, SimpleNamespace(axis="tp", size=2, shard_weights=True))
+    sharding.check_experts(model, SimpleNamespace(axis="tp", size=3, shard_weights=False))
+
+
+@pytest.mark.parametrize("dispatch", ["tiles", "ragged_dot", "dense"])
+def test_expert_shards_add_up_to_the_layer(dispatch):
+    """What each device of expert parallelism runs: a shard of the stacks with the ids of its
+    experts, the others outside the shard (on either side) and so skipped whatever their
+    weight. The shards' partial outputs add up to the whole layer's; a shard no token picked
+    gives exact zeros."""
+    from models.layers import moe as moe_lib
+
+    gen = np.random.default_rng(0)
+    m, d, i, e, k, shards = 37, 16, 24, 8, 2, 4
+    x = jnp.asarray(gen.standard_normal((m, d)), jnp.float32)
+    logits = jnp.asarray(gen.standard_normal((m, e)), jnp.float32)
+    logits = logits.at[:, 2:4].set(-1e9)  # shard 1 (experts 2, 3) gets no token
+    ids, w = moe_lib.topk_softmax(logits, k, normalize=True)
+    stacks = [jnp.asarray(0.2 * gen.standard_normal(s), jnp.float32)
+              for s in ((e, d, i), (e, d, i), (e, i, d))]
+    run = jax.jit(lambda *a: moe_lib.moe_sorted(*a, dispatch=dispatch))
+    whole = np.asarray(run(x, ids, w, *stacks))
+    local = e // shards
+    parts = []
+    for s in range(shards):
+        rel = ids - s * local
+        mine = (rel >= 0) & (rel < local)
+        skip = jnp.where(jnp.arange(m)[:, None] % 2 == 0, local, -1)  # past the end, before 0
+        parts.append(np.asarray(run(x, jnp.where(mine, rel, skip), w,
+                                    *(a[s * local:(s + 1) * local] for a in stacks))))
+    assert np.all(np.isfinite(whole)) and np.abs(whole).max() > 0.1
+    np.testing.assert_array_equal(parts[1], 0.0)
+    np.testing.assert_allclose(np.sum(parts, axis=0), whole, rtol=0, atol=1e-5)
+
+
+def test_expert_parallel_block_on_one_device():
+    """A MoE block run through `ExpertParallel` on a 1-device mesh equals the plain block (the
+    shard_map plumbing: router and stacks in, one psum out)."""
+    from jax.sharding import Mesh
+
+    from models.engine import sharding
+    from models.layers.moe import ExpertParallel
+
+    model = build("deepseek_v3")
+    (moe,) = sharding.moe_layers(model).values()
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 5, 32)), jnp.float32)
+    want = np.asarray(moe(x))
+    moe.expert_parallel = ExpertParallel(Mesh(np.array(jax.devices()[:1]), ("tp",)), "tp")
+    got = np.asarray(nnx.jit(lambda m, x: m(x))(moe, x))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
 if __name__ == "__main__":
