@@ -94,9 +94,9 @@ def ring_causal_conv1d(
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
                          f"{tuple(mesh.axis_names)}")
     state = _state_or_zeros(initial_state, x, weight.shape[1])
-    (y,), (final,) = run_global(
-        functools.partial(_conv_local, activation=activation, implementation=implementation),
-        (x,), (weight, bias, state), mesh=mesh, axis_name=axis_name, layout=layout)
+    (y,), (final,) = run_global(_conv_local, (x,), (weight, bias, state), mesh=mesh,
+                                axis_name=axis_name, layout=layout, activation=activation,
+                                implementation=implementation)
     return y, final
 
 
@@ -207,21 +207,23 @@ def _final_state(blocks, halos, starts, seq_len: int, axis_name: str):
     return jnp.swapaxes(lax.psum(final, axis_name), 1, 2)
 
 
-def run_global(local, seq, rep, *, mesh: Mesh, axis_name: str, layout: str):
+def run_global(local, seq, rep, *, mesh: Mesh, axis_name: str, layout: str, **options):
     """Pad `seq`'s arrays (`[B, S, ...]`) at their end, lay them out, run `local` under
-    `shard_map` with `rep` replicated, restore the order and drop the padding.
+    `shard_map` with `rep` replicated, restore the order and drop the padding; jitted, keyed by
+    `local` (a module-level function) and the hashable `options`.
 
-    `local(*seq_blocks, *rep, axis_name=, layout=, seq_len=)` returns `(seq_outs, rep_outs)`:
-    tuples of per-token `[B, T, ...]` blocks and of values the same on every device. Entries of
-    `rep` may be None (passed through as None)."""
+    `local(*seq_blocks, *rep, axis_name=, layout=, seq_len=, **options)` returns
+    `(seq_outs, rep_outs)`: tuples of per-token `[B, T, ...]` blocks and of values the same on
+    every device. Entries of `rep` may be None (passed through as None)."""
     present = tuple(i for i, a in enumerate(rep) if a is not None)
     return _run_global(local, tuple(seq), tuple(rep[i] for i in present), present=present,
-                       num_rep=len(rep), mesh=mesh, axis_name=axis_name, layout=layout)
+                       num_rep=len(rep), mesh=mesh, axis_name=axis_name, layout=layout,
+                       options=tuple(sorted(options.items())))
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=(
-    "present", "num_rep", "mesh", "axis_name", "layout"))
-def _run_global(local, seq, rep, *, present, num_rep, mesh, axis_name, layout):
+    "present", "num_rep", "mesh", "axis_name", "layout", "options"))
+def _run_global(local, seq, rep, *, present, num_rep, mesh, axis_name, layout, options):
     num = mesh.shape[axis_name]
     seq_len = seq[0].shape[1]
     unit = num if layout == "contiguous" else 2 * num
@@ -247,7 +249,7 @@ def _run_global(local, seq, rep, *, present, num_rep, mesh, axis_name, layout):
     def body(*args):
         blocks, given = args[:len(seq)], dict(zip(present, args[len(seq):]))
         return local(*blocks, *(given.get(i) for i in range(num_rep)), axis_name=axis_name,
-                     layout=layout, seq_len=seq_len)
+                     layout=layout, seq_len=seq_len, **dict(options))
 
     seq_out, rep_out = _layout.shard_map(
         body, mesh=mesh, in_specs=(spec,) * len(seq) + (P(),) * len(rep),

@@ -194,17 +194,10 @@ def ring_gdn_mixer(
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
                          f"{tuple(mesh.axis_names)}")
     conv_state, ssm_state = _states(x, conv_weight, g, conv_state, ssm_state, head_k_dim, hv)
-
-    def local(x, g, beta, conv_weight, conv_state, ssm_state, **where):
-        o, conv_out, ssm_out = mixer_shard(
-            x, conv_weight, g, beta, conv_state, ssm_state, num_k_heads=num_k_heads,
-            head_k_dim=head_k_dim, scale=scale, chunk_size=chunk_size,
-            implementation=implementation, **where)
-        return (o,), (conv_out, ssm_out)
-
-    (o,), (conv_out, ssm_out) = run_global(local, (x, g, beta), (conv_weight, conv_state,
-                                                                 ssm_state),
-                                           mesh=mesh, axis_name=axis_name, layout=layout)
+    (o,), (conv_out, ssm_out) = run_global(
+        _mixer_local, (x, g, beta), (conv_weight, conv_state, ssm_state), mesh=mesh,
+        axis_name=axis_name, layout=layout, num_k_heads=num_k_heads, head_k_dim=head_k_dim,
+        scale=scale, chunk_size=chunk_size, implementation=implementation)
     return o, conv_out, ssm_out
 
 
@@ -277,6 +270,12 @@ def mixer_shard(x, conv_weight, g, beta, conv_state, ssm_state, *, axis_name: st
                                 seq_len=seq_len, scale=scale, use_qk_l2norm=True,
                                 chunk_size=chunk_size, implementation=implementation)
     return o, conv_out, ssm_out
+
+
+def _mixer_local(x, g, beta, conv_weight, conv_state, ssm_state, **options):
+    """`mixer_shard` in `run_global`'s calling convention."""
+    o, conv_out, ssm_out = mixer_shard(x, conv_weight, g, beta, conv_state, ssm_state, **options)
+    return (o,), (conv_out, ssm_out)
 
 
 def _states(x, conv_weight, g, conv_state, ssm_state, head_k_dim: int, hv: int):

@@ -275,6 +275,25 @@ def test_one_device_equals_reference(layout):
     assert_close(final, want_final, atol=0, rtol=0)
 
 
+def test_repeated_calls_reuse_the_compiled_program():
+    """The global entry points key their jit by module-level functions and hashable options:
+    a second call with fresh arrays of the same shapes compiles nothing."""
+    from attn.context_parallel.conv1d import _run_global
+
+    mesh = _one_device_mesh()
+    x, weight, bias, state = conv_inputs((1, 9, 5, 4), "float32", True, True, seed=3)
+    _, args = mixer_inputs((1, 9, 1, 2, 8, 4, 4), True, seed=3)
+    conv = lambda x: ring_causal_conv1d(x, weight, bias, mesh=mesh, axis_name="sp",
+                                        initial_state=state, implementation="xla")
+    mix = lambda x: ring_gdn_mixer(x, *args[1:4], mesh=mesh, axis_name="sp", num_k_heads=1,
+                                   head_k_dim=8, conv_state=args[4], ssm_state=args[5],
+                                   chunk_size=CHUNK, implementation="xla")
+    conv(x), mix(args[0])
+    size = _run_global._cache_size()
+    conv(x + 1), mix(args[0] + 1)
+    assert _run_global._cache_size() == size
+
+
 def test_conv_errors_name_the_value():
     x, weight, bias, state = conv_inputs((1, 8, 4, 3), "float32", True, True)
     mesh = _one_device_mesh()
