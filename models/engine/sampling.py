@@ -24,7 +24,7 @@ def sample(logits: Float[Array, "B V"], keys, temperature, top_k, top_p, *,  # n
       draw: static; False when the caller knows every row is greedy: the argmax alone, without
         the sort over the vocabulary (as much time as a few layers of a small model's decode
         step). A static flag, not a `lax.cond` on the temperatures: a conditional makes the
-        GPU step wait for its predicate on the host, and the host can no longer run ahead.
+        GPU step wait for its predicate on the host, so the host cannot run ahead.
 
     Returns:
       `[B]` int32 tokens.
