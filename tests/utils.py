@@ -7,7 +7,7 @@ never equals a NaN here), then compares with a tolerance keyed by dtype.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -203,6 +203,55 @@ for job in json.load(sys.stdin):
         shared=k.metadata.shared, count={s: ptx.count(s) for s in job.get("count", ())})),
         flush=True)
 """
+
+
+def report_verdicts(checks: Mapping[str, Callable[[], None]]) -> None:
+    """The fake-device worker's entry: run each check and print one JSON line, the device count
+    and each check's verdict ("ok", or the error's type and message), for `run_worker`.
+
+    Checks named on the command line run alone (all of them if none is named).
+    """
+    import json
+    import sys
+
+    only = set(sys.argv[1:])
+    verdicts = {}
+    for name, check in checks.items():
+        if only and name not in only:
+            continue
+        try:
+            check()
+            verdicts[name] = "ok"
+        except Exception as e:  # reported per check to the pytest process
+            verdicts[name] = f"{type(e).__name__}: {e}"
+    print(json.dumps({"devices": jax.device_count(), "verdicts": verdicts}))
+
+
+def run_worker(module: str, num_devices: int, names: Sequence[str] = (), *,
+               timeout: int = 600) -> dict:
+    """Run test module `module` as a script on `num_devices` fake CPU devices and return its
+    `report_verdicts` line (`{"devices": D, "verdicts": {name: verdict}}`).
+
+    JAX fixes its CPU device count when it starts, so sharded checks run in a process of their
+    own (`--xla_force_host_platform_device_count`). Fails the calling test if the worker dies.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+        os.environ.get("XLA_FLAGS", "") +
+        f" --xla_force_host_platform_device_count={num_devices}").strip())
+    proc = subprocess.run([sys.executable, "-m", module, *names], env=env, capture_output=True,
+                          text=True, timeout=timeout,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        pytest.fail(f"worker {module} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
 
 
 def compile_for_sm90(jobs: Sequence[dict]) -> list[dict]:

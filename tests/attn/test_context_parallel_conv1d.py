@@ -15,10 +15,7 @@ local entry points run on an explicit mesh with the padding poisoned with NaN.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +29,7 @@ from attn.context_parallel import (
     ring_gdn_mixer_local,
 )
 from attn.conv1d import reference
-from tests.utils import assert_close, randn, rng
+from tests.utils import assert_close, randn, report_verdicts, rng, run_worker
 
 NUM_DEVICES = 4
 # f32 gradients; the mixer's pass through D - 1 state products; measured ~2e-6.
@@ -228,28 +225,14 @@ def _check_mixer(name: str) -> None:
 
 
 def _worker() -> None:
-    verdicts = {}
-    for name in (*CONV_CASES, *MIXER_CASES):
-        try:
-            (_check_conv if name in CONV_CASES else _check_mixer)(name)
-            verdicts[name] = "ok"
-        except Exception as e:  # reported per case to the pytest process
-            verdicts[name] = f"{type(e).__name__}: {e}"
-    print(json.dumps({"devices": jax.device_count(), "verdicts": verdicts}))
+    report_verdicts({name: functools.partial(
+        _check_conv if name in CONV_CASES else _check_mixer, name)
+        for name in (*CONV_CASES, *MIXER_CASES)})
 
 
 @pytest.fixture(scope="module")
 def sharded_run():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-        os.environ.get("XLA_FLAGS", "") +
-        f" --xla_force_host_platform_device_count={NUM_DEVICES}").strip())
-    proc = subprocess.run([sys.executable, "-m", "tests.attn.test_context_parallel_conv1d"],
-                          env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        pytest.fail(f"worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    return run_worker("tests.attn.test_context_parallel_conv1d", NUM_DEVICES)
 
 
 @pytest.mark.parametrize("name", [*CONV_CASES, *MIXER_CASES])

@@ -11,10 +11,7 @@ the block transfer itself (one device) and every error.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +21,7 @@ import pytest
 from attn.context_parallel import ring_gdn, ring_gdn_local
 from attn.context_parallel.gdn import block_transfer
 from attn.gdn import gdn_chunked
-from tests.utils import assert_close, randn, rng
+from tests.utils import assert_close, randn, report_verdicts, rng, run_worker
 
 NUM_DEVICES = 4
 # f32 gradients through D - 1 state products and a 2x wider chunked pass; measured ~1e-6.
@@ -124,28 +121,12 @@ def _check(name: str) -> None:
 
 
 def _worker() -> None:
-    verdicts = {}
-    for name in CASES:
-        try:
-            _check(name)
-            verdicts[name] = "ok"
-        except Exception as e:  # reported per case to the pytest process
-            verdicts[name] = f"{type(e).__name__}: {e}"
-    print(json.dumps({"devices": jax.device_count(), "verdicts": verdicts}))
+    report_verdicts({name: functools.partial(_check, name) for name in CASES})
 
 
 @pytest.fixture(scope="module")
 def sharded_run():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-        os.environ.get("XLA_FLAGS", "") +
-        f" --xla_force_host_platform_device_count={NUM_DEVICES}").strip())
-    proc = subprocess.run([sys.executable, "-m", "tests.attn.test_context_parallel_gdn"],
-                          env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        pytest.fail(f"worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    return run_worker("tests.attn.test_context_parallel_gdn", NUM_DEVICES)
 
 
 @pytest.mark.parametrize("name", list(CASES))

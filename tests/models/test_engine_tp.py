@@ -21,16 +21,15 @@ outputs of expert shards add up to the whole layer's.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+
+from tests.utils import report_verdicts, run_worker
 
 NUM_DEVICES = 4
 VOCAB = 256
@@ -190,33 +189,8 @@ def _check_errors() -> None:
 
 
 def _worker() -> None:
-    """Subprocess entry: one JSON line `{case: "ok" | error}` plus the device count."""
-    verdicts = {}
-    checks = {name: (lambda n=name: _check(n)) for name in CASES}
-    checks["errors-not-divisible"] = _check_errors
-    only = set(sys.argv[1:])
-    for name, fn in checks.items():
-        if only and name not in only:
-            continue
-        try:
-            fn()
-            verdicts[name] = "ok"
-        except Exception as e:  # reported per case to the pytest process
-            verdicts[name] = f"{type(e).__name__}: {e}"
-    print(json.dumps({"devices": jax.device_count(), "verdicts": verdicts}))
-
-
-def _spawn(names: list[str]) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-        os.environ.get("XLA_FLAGS", "") +
-        f" --xla_force_host_platform_device_count={NUM_DEVICES}").strip())
-    proc = subprocess.run([sys.executable, "-m", "tests.models.test_engine_tp", *names], env=env,
-                          capture_output=True, text=True, timeout=1200,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        pytest.fail(f"worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    checks = {name: functools.partial(_check, name) for name in CASES}
+    report_verdicts(checks | {"errors-not-divisible": _check_errors})
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +198,7 @@ def sharded_run(request):
     """One worker for the selected cases (slow ones only under `-m slow`)."""
     names = [item.callspec.params["name"] for item in request.session.items
              if item.originalname == "test_tensor_parallel_equals_one_device"]
-    return _spawn(names)
+    return run_worker("tests.models.test_engine_tp", NUM_DEVICES, names, timeout=1200)
 
 
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
