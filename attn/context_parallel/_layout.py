@@ -1,4 +1,6 @@
-"""The zig-zag sequence layout shared by the ring and all-gather variants.
+"""The sequence layouts shared by the context-parallel ops, and their entry points' plumbing.
+
+The zig-zag layout (the ring and all-gather variants; the GDN ops also run contiguous):
 
 A sequence of `S` tokens, padded at its end to `S_pad`, a multiple of `2 D` (`D` devices on the
 mesh axis), is cut into `2 D` chunks of `C = S_pad / (2 D)` tokens. Device `d` holds chunks `d` and
@@ -12,6 +14,9 @@ device precedes its second, so a device's valid tokens are always a prefix of it
 """
 
 from __future__ import annotations
+
+import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -91,3 +96,96 @@ def valid_prefix(seq_len: int, lo_start, hi_start, chunk: int):
     a prefix of the block (the layout's padding rule)."""
     return (jnp.clip(seq_len - lo_start, 0, chunk) + jnp.clip(seq_len - hi_start, 0, chunk)
             ).astype(jnp.int32)
+
+
+def check_mesh(mesh, axis_name: str) -> None:
+    """A global entry point's `mesh` and `axis_name`.
+
+    Raises:
+      TypeError: `mesh` not a `jax.sharding.Mesh`.
+      ValueError: `axis_name` not one of its axes.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh={mesh!r} (type {type(mesh).__name__}) must be a jax.sharding.Mesh")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
+                         f"{tuple(mesh.axis_names)}")
+
+
+def check_local(local: int, axis_name: str, seq_len, layout: str, *, block: str = "T") -> int:
+    """A local entry point's block length `local` (named `block` in the errors), axis and
+    `seq_len` (inside `shard_map`); returns `seq_len` as an int (default `D * local`).
+
+    Raises:
+      ValueError: an odd block in the zig-zag layout, an `axis_name` no enclosing `shard_map`
+        binds, `seq_len` outside `[1, D * local]`.
+    """
+    if layout == "zigzag" and local % 2:
+        raise ValueError(f"local block length {block}={local} must be even (two chunks of the "
+                         f"zig-zag layout)")
+    try:
+        num = lax.axis_size(axis_name)
+    except NameError as e:
+        raise ValueError(f"axis_name={axis_name!r} is not bound: call inside a shard_map over "
+                         f"that axis") from e
+    if seq_len is None:
+        seq_len = num * local
+    if not isinstance(seq_len, numbers.Integral) or not 1 <= seq_len <= num * local:
+        raise ValueError(f"seq_len={seq_len!r} must be an int in [1, D * {block} = "
+                         f"{num * local}]")
+    return int(seq_len)
+
+
+def run_global(local, seq, rep, *, mesh: Mesh, axis_name: str, layout: str, **options):
+    """A global entry point's run: pad `seq`'s arrays (`[B, S, ...]`) at their end, lay them out
+    (`"contiguous"` or `"zigzag"`), run `local` under `shard_map` with `rep` replicated, restore
+    the order and drop the padding; jitted, keyed by `local` (a module-level function) and the
+    hashable `options`.
+
+    `local(*seq_blocks, *rep, axis_name=, layout=, seq_len=, **options)` returns
+    `(seq_outs, rep_outs)`: tuples of per-token `[B, T, ...]` blocks and of values the same on
+    every device. Entries of `rep` may be None (passed through as None).
+
+    On an explicit axis (`jax.make_mesh`'s default) the reorder runs on a replicated copy and the
+    outputs come back replicated: explicit sharding types have no rule for the reorder.
+    """
+    present = tuple(i for i, a in enumerate(rep) if a is not None)
+    return _run_global(local, tuple(seq), tuple(rep[i] for i in present), present=present,
+                       num_rep=len(rep), mesh=mesh, axis_name=axis_name, layout=layout,
+                       options=tuple(sorted(options.items())))
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=(
+    "present", "num_rep", "mesh", "axis_name", "layout", "options"))
+def _run_global(local, seq, rep, *, present, num_rep, mesh, axis_name, layout, options):
+    num = mesh.shape[axis_name]
+    seq_len = seq[0].shape[1]
+    unit = num if layout == "contiguous" else 2 * num
+    pad = -(-seq_len // unit) * unit - seq_len
+    explicit = is_explicit(mesh, axis_name)
+    spec = P(None, axis_name)
+
+    def prepare(x):
+        if explicit:  # reorder a replicated copy: explicit types have no rule for the reshape
+            x = place(x, mesh, P(), explicit=True)
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        if layout == "zigzag":
+            x = to_zigzag(x, num)
+        return place(x, mesh, spec, explicit=explicit)
+
+    def restore(x):
+        if explicit:
+            x = place(x, mesh, P(), explicit=True)
+        if layout == "zigzag":
+            x = from_zigzag(x, num)
+        return x[:, :seq_len]
+
+    def body(*args):
+        blocks, given = args[:len(seq)], dict(zip(present, args[len(seq):]))
+        return local(*blocks, *(given.get(i) for i in range(num_rep)), axis_name=axis_name,
+                     layout=layout, seq_len=seq_len, **dict(options))
+
+    seq_out, rep_out = shard_map(
+        body, mesh=mesh, in_specs=(spec,) * len(seq) + (P(),) * len(rep),
+        out_specs=(spec, P()))(*(prepare(x) for x in seq), *rep)
+    return tuple(restore(x) for x in seq_out), rep_out

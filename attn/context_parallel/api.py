@@ -32,14 +32,8 @@ real query, a non-causal one masks it through `kv_lengths`, and the padded query
 
 from __future__ import annotations
 
-import functools
-import numbers
-
-import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from attn import _checks
@@ -235,51 +229,21 @@ def ring_gdn(
       TypeError: `mesh` not a `jax.sharding.Mesh`.
     """
     _check_gdn(q, k, v, g, beta, initial_state, layout, implementation)
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh={mesh!r} (type {type(mesh).__name__}) must be a jax.sharding.Mesh")
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
-                         f"{tuple(mesh.axis_names)}")
+    _layout.check_mesh(mesh, axis_name)
     if initial_state is None:
         initial_state = jnp.zeros((v.shape[0], v.shape[2], q.shape[-1], v.shape[-1]),
                                   jnp.float32)
-    return _ring_gdn(q, k, v, g, beta, initial_state.astype(jnp.float32), mesh=mesh,
-                     axis_name=axis_name, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
-                     chunk_size=chunk_size, layout=layout, implementation=implementation)
+    (out,), (final,) = _layout.run_global(
+        _gdn_local, (q, k, v, g, beta), (initial_state.astype(jnp.float32),), mesh=mesh,
+        axis_name=axis_name, layout=layout, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+        chunk_size=chunk_size, implementation=implementation)
+    return out, final
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "mesh", "axis_name", "scale", "use_qk_l2norm", "chunk_size", "layout", "implementation"))
-def _ring_gdn(q, k, v, g, beta, initial_state, *, mesh, axis_name, layout, **options):
-    """Pad, lay out, run `ring_gdn_shard` under `shard_map`, restore the order, drop the
-    padding."""
-    num = mesh.shape[axis_name]
-    seq_len = q.shape[1]
-    unit = num if layout == "contiguous" else 2 * num
-    pad = -(-seq_len // unit) * unit - seq_len
-    explicit = _layout.is_explicit(mesh, axis_name)
-    spec = P(None, axis_name)
-
-    def prepare(x):
-        if explicit:  # reorder a replicated copy: explicit types have no rule for the reshape
-            x = _layout.place(x, mesh, P(), explicit=True)
-        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-        if layout == "zigzag":
-            x = _layout.to_zigzag(x, num)
-        return _layout.place(x, mesh, spec, explicit=explicit)
-
-    def local(q, k, v, g, beta, state):
-        return ring_gdn_shard(q, k, v, g, beta, state, axis_name=axis_name, layout=layout,
-                              seq_len=seq_len, **options)
-
-    out, final = _layout.shard_map(local, mesh=mesh, in_specs=(spec,) * 5 + (P(),),
-                                   out_specs=(spec, P()))(
-        *(prepare(x) for x in (q, k, v, g, beta)), initial_state)
-    if explicit:
-        out = _layout.place(out, mesh, P(), explicit=True)
-    if layout == "zigzag":
-        out = _layout.from_zigzag(out, num)
-    return out[:, :seq_len], final
+def _gdn_local(q, k, v, g, beta, state, **options):
+    """`ring_gdn_shard` in `_layout.run_global`'s calling convention."""
+    out, final = ring_gdn_shard(q, k, v, g, beta, state, **options)
+    return (out,), (final,)
 
 
 def ring_gdn_local(
@@ -318,24 +282,12 @@ def ring_gdn_local(
         `[1, D * T]`, an `axis_name` not bound by an enclosing `shard_map`.
     """
     _check_gdn(q, k, v, g, beta, initial_state, layout, implementation)
-    local = q.shape[1]
-    if layout == "zigzag" and local % 2:
-        raise ValueError(f"local block length T={local} must be even (two chunks of the "
-                         f"zig-zag layout)")
-    try:
-        num = lax.axis_size(axis_name)
-    except NameError as e:
-        raise ValueError(f"axis_name={axis_name!r} is not bound: call inside a shard_map over "
-                         f"that axis") from e
-    if seq_len is None:
-        seq_len = num * local
-    if not isinstance(seq_len, numbers.Integral) or not 1 <= seq_len <= num * local:
-        raise ValueError(f"seq_len={seq_len!r} must be an int in [1, D * T = {num * local}]")
+    seq_len = _layout.check_local(q.shape[1], axis_name, seq_len, layout)
     if initial_state is None:
         initial_state = jnp.zeros((v.shape[0], v.shape[2], q.shape[-1], v.shape[-1]),
                                   jnp.float32)
     return ring_gdn_shard(q, k, v, g, beta, initial_state.astype(jnp.float32),
-                          axis_name=axis_name, layout=layout, seq_len=int(seq_len), scale=scale,
+                          axis_name=axis_name, layout=layout, seq_len=seq_len, scale=scale,
                           use_qk_l2norm=bool(use_qk_l2norm), chunk_size=chunk_size,
                           implementation=implementation)
 
@@ -401,61 +353,21 @@ def _validate(q, k, v, *, causal, scale, window, sinks, implementation) -> dict:
 
 def _global(shard_fn, q, k, v, *, mesh, axis_name, **options):
     options = _validate(q, k, v, **options)
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh={mesh!r} (type {type(mesh).__name__}) must be a jax.sharding.Mesh")
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
-                         f"{tuple(mesh.axis_names)}")
+    _layout.check_mesh(mesh, axis_name)
     window, sinks = options.pop("window"), options.pop("sinks")
-    has_window = window is not None
-    return _sharded(shard_fn, q, k, v, window if has_window else sinks, sinks, mesh=mesh,
-                    axis_name=axis_name, has_window=has_window, **options)
+    (out, lse), () = _layout.run_global(_attention_local, (q, k, v), (window, sinks), mesh=mesh,
+                                        axis_name=axis_name, layout="zigzag",
+                                        shard_fn=shard_fn, **options)
+    return out, lse
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=(
-    "mesh", "axis_name", "has_window", "causal", "scale", "implementation"))
-def _sharded(shard_fn, q, k, v, window, sinks, *, mesh, axis_name, has_window, **options):
-    """Pad, lay out, run `shard_fn` under `shard_map`, restore the order, drop the padding."""
-    num = mesh.shape[axis_name]
-    seq_len = q.shape[1]
-    pad = _layout.padded_length(seq_len, num) - seq_len
-    explicit = _layout.is_explicit(mesh, axis_name)
-    spec = P(None, axis_name)
-
-    def prepare(x):
-        if explicit:  # reorder a replicated copy: explicit types have no rule for the reshape
-            x = _layout.place(x, mesh, P(), explicit=True)
-        x = _layout.to_zigzag(jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))), num)
-        return _layout.place(x, mesh, spec, explicit=explicit)
-
-    def restore(x):
-        if explicit:
-            x = _layout.place(x, mesh, P(), explicit=True)
-        return _layout.from_zigzag(x, num)[:, :seq_len]
-
-    def local(q, k, v, window, sinks):
-        return shard_fn(q, k, v, axis_name=axis_name, seq_len=seq_len,
-                        window=window if has_window else None, sinks=sinks, **options)
-
-    out, lse = _layout.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(), P()),
-                                 out_specs=(spec, spec))(
-        prepare(q), prepare(k), prepare(v), window, sinks)
-    return restore(out), restore(lse)
+def _attention_local(q, k, v, window, sinks, *, shard_fn, layout, **options):
+    """A variant's shard function in `_layout.run_global`'s calling convention (zig-zag)."""
+    del layout
+    return shard_fn(q, k, v, window=window, sinks=sinks, **options), ()
 
 
 def _local(shard_fn, q, k, v, *, axis_name, seq_len, **options):
     options = _validate(q, k, v, **options)
-    local = q.shape[1]
-    if local % 2:
-        raise ValueError(f"local block length T2={local} must be even (two chunks of the "
-                         f"zig-zag layout)")
-    try:
-        num = lax.axis_size(axis_name)
-    except NameError as e:
-        raise ValueError(f"axis_name={axis_name!r} is not bound: call inside a shard_map over "
-                         f"that axis") from e
-    if seq_len is None:
-        seq_len = num * local
-    if not isinstance(seq_len, numbers.Integral) or not 1 <= seq_len <= num * local:
-        raise ValueError(f"seq_len={seq_len!r} must be an int in [1, D * T2 = {num * local}]")
-    return shard_fn(q, k, v, axis_name=axis_name, seq_len=int(seq_len), **options)
+    seq_len = _layout.check_local(q.shape[1], axis_name, seq_len, "zigzag", block="T2")
+    return shard_fn(q, k, v, axis_name=axis_name, seq_len=seq_len, **options)

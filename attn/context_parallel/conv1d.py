@@ -32,14 +32,9 @@ outputs are dropped (in the local entry point, `seq_len` says where padding star
 
 from __future__ import annotations
 
-import functools
-import numbers
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from attn import _checks
@@ -88,13 +83,9 @@ def ring_causal_conv1d(
       TypeError: non-floating tensors, `mesh` not a `jax.sharding.Mesh`.
     """
     check_conv(x, weight, bias, initial_state, activation, layout, implementation)
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh={mesh!r} (type {type(mesh).__name__}) must be a jax.sharding.Mesh")
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
-                         f"{tuple(mesh.axis_names)}")
+    _layout.check_mesh(mesh, axis_name)
     state = _state_or_zeros(initial_state, x, weight.shape[1])
-    (y,), (final,) = run_global(_conv_local, (x,), (weight, bias, state), mesh=mesh,
+    (y,), (final,) = _layout.run_global(_conv_local, (x,), (weight, bias, state), mesh=mesh,
                                 axis_name=axis_name, layout=layout, activation=activation,
                                 implementation=implementation)
     return y, final
@@ -132,7 +123,7 @@ def ring_causal_conv1d_local(
       TypeError: as `ring_causal_conv1d`.
     """
     check_conv(x, weight, bias, initial_state, activation, layout, implementation)
-    seq_len = check_local(x.shape[1], axis_name, seq_len, layout)
+    seq_len = _layout.check_local(x.shape[1], axis_name, seq_len, layout)
     state = _state_or_zeros(initial_state, x, weight.shape[1])
     return conv_shard(x, weight, bias, state, axis_name=axis_name, layout=layout,
                       seq_len=seq_len, activation=activation, implementation=implementation)
@@ -205,73 +196,6 @@ def _final_state(blocks, halos, starts, seq_len: int, axis_name: str):
         cut = lax.dynamic_slice_in_dim(ext, jnp.clip(ends, 0, tb), m, axis=1)  # [B, W - 1, C]
         final = final + jnp.where(owns, cut, jnp.zeros((), cut.dtype))
     return jnp.swapaxes(lax.psum(final, axis_name), 1, 2)
-
-
-def run_global(local, seq, rep, *, mesh: Mesh, axis_name: str, layout: str, **options):
-    """Pad `seq`'s arrays (`[B, S, ...]`) at their end, lay them out, run `local` under
-    `shard_map` with `rep` replicated, restore the order and drop the padding; jitted, keyed by
-    `local` (a module-level function) and the hashable `options`.
-
-    `local(*seq_blocks, *rep, axis_name=, layout=, seq_len=, **options)` returns
-    `(seq_outs, rep_outs)`: tuples of per-token `[B, T, ...]` blocks and of values the same on
-    every device. Entries of `rep` may be None (passed through as None)."""
-    present = tuple(i for i, a in enumerate(rep) if a is not None)
-    return _run_global(local, tuple(seq), tuple(rep[i] for i in present), present=present,
-                       num_rep=len(rep), mesh=mesh, axis_name=axis_name, layout=layout,
-                       options=tuple(sorted(options.items())))
-
-
-@functools.partial(jax.jit, static_argnums=0, static_argnames=(
-    "present", "num_rep", "mesh", "axis_name", "layout", "options"))
-def _run_global(local, seq, rep, *, present, num_rep, mesh, axis_name, layout, options):
-    num = mesh.shape[axis_name]
-    seq_len = seq[0].shape[1]
-    unit = num if layout == "contiguous" else 2 * num
-    pad = -(-seq_len // unit) * unit - seq_len
-    explicit = _layout.is_explicit(mesh, axis_name)
-    spec = P(None, axis_name)
-
-    def prepare(x):
-        if explicit:  # reorder a replicated copy: explicit types have no rule for the reshape
-            x = _layout.place(x, mesh, P(), explicit=True)
-        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-        if layout == "zigzag":
-            x = _layout.to_zigzag(x, num)
-        return _layout.place(x, mesh, spec, explicit=explicit)
-
-    def restore(x):
-        if explicit:
-            x = _layout.place(x, mesh, P(), explicit=True)
-        if layout == "zigzag":
-            x = _layout.from_zigzag(x, num)
-        return x[:, :seq_len]
-
-    def body(*args):
-        blocks, given = args[:len(seq)], dict(zip(present, args[len(seq):]))
-        return local(*blocks, *(given.get(i) for i in range(num_rep)), axis_name=axis_name,
-                     layout=layout, seq_len=seq_len, **dict(options))
-
-    seq_out, rep_out = _layout.shard_map(
-        body, mesh=mesh, in_specs=(spec,) * len(seq) + (P(),) * len(rep),
-        out_specs=(spec, P()))(*(prepare(x) for x in seq), *rep)
-    return tuple(restore(x) for x in seq_out), rep_out
-
-
-def check_local(local: int, axis_name: str, seq_len, layout: str) -> int:
-    """Checks of a local entry point (inside `shard_map`); returns `seq_len` as an int."""
-    if layout == "zigzag" and local % 2:
-        raise ValueError(f"local block length T={local} must be even (two chunks of the "
-                         f"zig-zag layout)")
-    try:
-        num = lax.axis_size(axis_name)
-    except NameError as e:
-        raise ValueError(f"axis_name={axis_name!r} is not bound: call inside a shard_map over "
-                         f"that axis") from e
-    if seq_len is None:
-        seq_len = num * local
-    if not isinstance(seq_len, numbers.Integral) or not 1 <= seq_len <= num * local:
-        raise ValueError(f"seq_len={seq_len!r} must be an int in [1, D * T = {num * local}]")
-    return int(seq_len)
 
 
 def _conv_local(x, weight, bias, state, *, axis_name, layout, seq_len, activation,

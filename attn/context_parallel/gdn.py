@@ -42,8 +42,8 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float
 
 from attn import _checks
-from attn.context_parallel import conv1d
-from attn.context_parallel.conv1d import check_conv, check_local, conv_shard, run_global
+from attn.context_parallel import _layout, conv1d
+from attn.context_parallel.conv1d import check_conv, conv_shard
 from attn.gdn import gdn_chunked
 
 LAYOUTS = conv1d.LAYOUTS  # the conv and the delta rule share the layouts
@@ -188,13 +188,9 @@ def ring_gdn_mixer(
     """
     hv = _check_mixer(x, conv_weight, g, beta, conv_state, ssm_state, num_k_heads, head_k_dim,
                       layout, implementation)
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh={mesh!r} (type {type(mesh).__name__}) must be a jax.sharding.Mesh")
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
-                         f"{tuple(mesh.axis_names)}")
+    _layout.check_mesh(mesh, axis_name)
     conv_state, ssm_state = _states(x, conv_weight, g, conv_state, ssm_state, head_k_dim, hv)
-    (o,), (conv_out, ssm_out) = run_global(
+    (o,), (conv_out, ssm_out) = _layout.run_global(
         _mixer_local, (x, g, beta), (conv_weight, conv_state, ssm_state), mesh=mesh,
         axis_name=axis_name, layout=layout, num_k_heads=num_k_heads, head_k_dim=head_k_dim,
         scale=scale, chunk_size=chunk_size, implementation=implementation)
@@ -245,7 +241,7 @@ def ring_gdn_mixer_local(
     """
     hv = _check_mixer(x, conv_weight, g, beta, conv_state, ssm_state, num_k_heads, head_k_dim,
                       layout, implementation)
-    seq_len = check_local(x.shape[1], axis_name, seq_len, layout)
+    seq_len = _layout.check_local(x.shape[1], axis_name, seq_len, layout)
     conv_state, ssm_state = _states(x, conv_weight, g, conv_state, ssm_state, head_k_dim, hv)
     return mixer_shard(x, conv_weight, g, beta, conv_state, ssm_state, axis_name=axis_name,
                        layout=layout, seq_len=seq_len, num_k_heads=num_k_heads,
@@ -273,7 +269,7 @@ def mixer_shard(x, conv_weight, g, beta, conv_state, ssm_state, *, axis_name: st
 
 
 def _mixer_local(x, g, beta, conv_weight, conv_state, ssm_state, **options):
-    """`mixer_shard` in `run_global`'s calling convention."""
+    """`mixer_shard` in `_layout.run_global`'s calling convention."""
     o, conv_out, ssm_out = mixer_shard(x, conv_weight, g, beta, conv_state, ssm_state, **options)
     return (o,), (conv_out, ssm_out)
 

@@ -261,7 +261,7 @@ def test_one_device_equals_reference(layout):
 def test_repeated_calls_reuse_the_compiled_program():
     """The global entry points key their jit by module-level functions and hashable options:
     a second call with fresh arrays of the same shapes compiles nothing."""
-    from attn.context_parallel.conv1d import _run_global
+    from attn.context_parallel._layout import _run_global
 
     mesh = _one_device_mesh()
     x, weight, bias, state = conv_inputs((1, 9, 5, 4), "float32", True, True, seed=3)
