@@ -33,8 +33,9 @@ default. It is a static argument of the jitted steps (hashable; equal attends sh
 
 Tensor parallelism, `Engine(model, mesh=mesh)`: the step runs under one mesh, every layer and
 its state split by head over `mesh_axis`, routed MoE experts by expert
-(`models.engine.sharding`); the host side (scheduler, mirror, sampling parameters) is the same,
-and greedy tokens are those of one device up to the rounding of split reductions.
+(`models.engine.sharding`); the host side (scheduler, mirror, sampling parameters) is the same.
+With whole weights (`shard_weights=False`) every matmul keeps one device's shapes and the tokens
+are one device's; with split weights, up to the rounding of the split reductions.
 
 Not done here: paged layers with different KV head counts in one model, models without any paged
 layer, prefix sharing (GDN state would need snapshots at page borders), speculative decoding,
