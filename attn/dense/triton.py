@@ -21,7 +21,8 @@ the lse stays the scores'. A NaN key is masked out of the scores. Whole tiles ne
 sm_90a: 255, no spills at H 64 / 128 / 256 with power-of-two groups, 4 bytes at G = 5): the value
 check runs first in a masked step, before the score tile is live, and the output row offsets are
 rebuilt from `pos` after the key loops rather than kept live through them. The backward
-(`attn/dense/_flash_bwd.py`: FlashAttention-2, a dQ kernel and a dK / dV kernel, the same tile
+(`attn/dense/_flash_bwd.py`: FlashAttention-2, one dK / dV kernel that also adds each key tile's
+dQ share with float32 atomics, or with `Config.deterministic` a dQ kernel beside it; the same tile
 split) keeps the same rule.
 
 Supports: causal and non-causal, `q_offset` `[B]` (chunked prefill over a cached prefix), window
@@ -29,8 +30,9 @@ and sinks per KV head (`window <= 0`: full), `kv_lengths`, any group size, `H` /
 (padded to a power of two and masked), bf16 / f16 (f32 with IEEE dots, for tests). A row with no
 visible key gives output 0 and lse -inf, and zero gradients.
 Logit soft-capping (`softcap`: `softcap * tanh(s / softcap)` of the scaled scores, before the
-mask; compiled, the tanh is the GPU's `tanh.approx.f32`) in the forward; the backward kernels do not soft-cap, so such a call's gradient is the
-reference's (`backward_supports`, applied by `attn._op`).
+mask; compiled, the tanh is the GPU's `tanh.approx.f32`) in the forward; the backward kernels do
+not soft-cap, so such a call's gradient is the reference's (`backward_supports`, applied by
+`attn._op`).
 Not supported (`supports` says why, and `implementation="auto"` falls back to XLA): segment ids
 (packed varlen), shapes whose per-batch element offsets overflow int32.
 """
@@ -44,8 +46,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from attn import _checks
-from attn import _harness
+from attn import _checks, _harness
 from attn._harness import triton_call
 from attn.dense._flash_bwd import backward as _backward
 from attn.dense._flash_tiles import (
@@ -79,6 +80,9 @@ class Config:
     dq_block_n: int = 64
     bwd_num_warps: int = 8
     bwd_num_stages: int = 3
+    # The backward's dQ: False adds each key tile's share with float32 atomics inside the dK / dV
+    # kernel (5 matmuls a score tile); True runs the dQ kernel instead (7; bit-reproducible).
+    deterministic: bool = False
     # The unmasked key loop as `tl.range(..., warp_specialize=True)`: Triton's Hopper pass splits
     # it into producer (loads) and consumer (dots, softmax) warp groups. Applies with >= 8 warps
     # only (Triton 3.6 does not compile it with 4). `warp_specialize_masked`: the masked loops too.
