@@ -156,8 +156,6 @@ def _dkdv_visit(
     do_base,  # -> do[b, 0, 0, 0]
     lse_base,  # -> lse[b, 0, 0]
     delta_base,  # -> delta[b, 0, 0]
-    dq_base,  # -> the float32 dQ accumulator [b, 0, 0, 0] (FUSED_DQ)
-    k_dq,  # [BLOCK_N, BLOCK_H] the keys with non-finite entries zeroed (FUSED_DQ)
     q_off,
     kh,
     lo,  # first folded row (multiple of BLOCK_M)
@@ -177,7 +175,6 @@ def _dkdv_visit(
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
-    FUSED_DQ: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
@@ -207,26 +204,39 @@ def _dkdv_visit(
         ds_t = p_t * (dp_t - delta[None, :])
         if MASKED:  # P = 0 times a NaN value in dP would leak into dK
             ds_t = tl.where(visible, ds_t, 0.0)
-        ds_t = ds_t.to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
-        if FUSED_DQ:  # this key tile's share of the rows' dQ; other key tiles add theirs
-            dq = tl.dot(tl.trans(ds_t), k_dq, input_precision=PRECISION)  # [BLOCK_M, BLOCK_H]
-            tl.atomic_add(dq_base + q_rows[:, None] * H + offs_h[None, :], dq,
-                          mask=row_ok[:, None] & (offs_h < H)[None, :], sem="relaxed")
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
 @triton.jit
-def _dkdv_program(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, offset_ptr, len_ptr, window_ptr, sink_ptr,
+def _flash_bwd_dkdv_kernel(
+    q_ptr,  # [B, T, N, H]
+    k_ptr,  # [B, S, K, H]
+    v_ptr,  # [B, S, K, HV]
+    do_ptr,  # [B, T, N, HV]
+    lse_ptr,  # [B, T, N] f32
+    delta_ptr,  # [B, T, N] f32
+    offset_ptr,  # [B] int32
+    len_ptr,  # [B] int32
+    window_ptr,  # [K] int32
+    sink_ptr,  # [K] int32
     dk_ptr,  # [B, S, K, H]
     dv_ptr,  # [B, S, K, HV]
-    dq_ptr,  # [B, T, N, H] f32 accumulator, zeroed (FUSED_DQ; unused otherwise)
-    SCALE, B, T, S, K, G, H, HV, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION,
-    FUSED_DQ: tl.constexpr,
+    SCALE: tl.constexpr,
+    B: tl.constexpr,
+    T: tl.constexpr,
+    S: tl.constexpr,
+    K: tl.constexpr,
+    G: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """One program: `BLOCK_N` keys of one KV head; dK and dV of those keys (and, `FUSED_DQ`, the
-    rows' dQ shares added into `dq_ptr`)."""
     # Key tiles in order: under a causal mask the first ones are seen by the most rows.
     pid = tl.program_id(0)
     kh = pid % K
@@ -274,27 +284,23 @@ def _dkdv_program(
                 mask=key_ok[:, None] & (offs_h < H)[None, :], other=0.0)
     v = tl.load(v_ptr + k_rows[:, None] * HV + offs_hv[None, :],  # [BLOCK_N, BLOCK_HV]
                 mask=key_ok[:, None] & (offs_hv < HV)[None, :], other=0.0)
-    # dQ = dS K: a key a row does not see has dS = 0 there, and 0 times a NaN key is NaN. A row
-    # that sees a NaN key has a NaN lse and so NaN dS, which carries the NaN on its own.
-    k_dq = tl.where(tl.abs(k.to(tl.float32)) < float("inf"), k, 0.0) if FUSED_DQ else k
     q_base = q_ptr + b.to(tl.int64) * (T * N * H)
     do_base = do_ptr + b.to(tl.int64) * (T * N * HV)
     lse_base = lse_ptr + b.to(tl.int64) * (T * N)
     delta_base = delta_ptr + b.to(tl.int64) * (T * N)
-    dq_base = dq_ptr + b.to(tl.int64) * (T * N * H)
 
     dk = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_HV], tl.float32)
     # Rows above the tile's diagonal / window edge, rows that see it whole, rows below.
-    dk, dv = _dkdv_visit(dk, dv, k, v, cols, q_base, do_base, lse_base, delta_base, dq_base,
-                         k_dq, q_off, kh, m_lo, f_lo, kv_len, win, sinks, SCALE_LOG2, T, N, G,
-                         H, HV, CAUSAL, True, BLOCK_M, BLOCK_H, BLOCK_HV, PRECISION, FUSED_DQ)
-    dk, dv = _dkdv_visit(dk, dv, k, v, cols, q_base, do_base, lse_base, delta_base, dq_base,
-                         k_dq, q_off, kh, f_lo, f_hi, kv_len, win, sinks, SCALE_LOG2, T, N, G,
-                         H, HV, CAUSAL, False, BLOCK_M, BLOCK_H, BLOCK_HV, PRECISION, FUSED_DQ)
-    dk, dv = _dkdv_visit(dk, dv, k, v, cols, q_base, do_base, lse_base, delta_base, dq_base,
-                         k_dq, q_off, kh, f_hi, m_end, kv_len, win, sinks, SCALE_LOG2, T, N, G,
-                         H, HV, CAUSAL, True, BLOCK_M, BLOCK_H, BLOCK_HV, PRECISION, FUSED_DQ)
+    dk, dv = _dkdv_visit(dk, dv, k, v, cols, q_base, do_base, lse_base, delta_base, q_off, kh,
+                         m_lo, f_lo, kv_len, win, sinks, SCALE_LOG2, T, N, G, H, HV, CAUSAL,
+                         True, BLOCK_M, BLOCK_H, BLOCK_HV, PRECISION)
+    dk, dv = _dkdv_visit(dk, dv, k, v, cols, q_base, do_base, lse_base, delta_base, q_off, kh,
+                         f_lo, f_hi, kv_len, win, sinks, SCALE_LOG2, T, N, G, H, HV, CAUSAL,
+                         False, BLOCK_M, BLOCK_H, BLOCK_HV, PRECISION)
+    dk, dv = _dkdv_visit(dk, dv, k, v, cols, q_base, do_base, lse_base, delta_base, q_off, kh,
+                         f_hi, m_end, kv_len, win, sinks, SCALE_LOG2, T, N, G, H, HV, CAUSAL,
+                         True, BLOCK_M, BLOCK_H, BLOCK_HV, PRECISION)
     in_s = cols < S
     tl.store(dk_ptr + k_rows[:, None] * H + offs_h[None, :], (dk * SCALE).to(
         dk_ptr.dtype.element_ty), mask=in_s[:, None] & (offs_h < H)[None, :])
@@ -302,87 +308,26 @@ def _dkdv_program(
              mask=in_s[:, None] & (offs_hv < HV)[None, :])
 
 
-@triton.jit
-def _flash_bwd_dkdv_kernel(
-    q_ptr,  # [B, T, N, H]
-    k_ptr,  # [B, S, K, H]
-    v_ptr,  # [B, S, K, HV]
-    do_ptr,  # [B, T, N, HV]
-    lse_ptr,  # [B, T, N] f32
-    delta_ptr,  # [B, T, N] f32
-    offset_ptr,  # [B] int32
-    len_ptr,  # [B] int32
-    window_ptr,  # [K] int32
-    sink_ptr,  # [K] int32
-    dk_ptr,  # [B, S, K, H]
-    dv_ptr,  # [B, S, K, HV]
-    SCALE: tl.constexpr, B: tl.constexpr, T: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
-    G: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """dK and dV only (the deterministic backward; dQ comes from `_flash_bwd_dq_kernel`)."""
-    _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, offset_ptr, len_ptr,
-                  window_ptr, sink_ptr, dk_ptr, dv_ptr, dk_ptr, SCALE, B, T, S, K, G, H, HV,
-                  CAUSAL, BLOCK_M, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION, False)
-
-
-@triton.jit
-def _flash_bwd_kernel(
-    q_ptr,  # [B, T, N, H]
-    k_ptr,  # [B, S, K, H]
-    v_ptr,  # [B, S, K, HV]
-    do_ptr,  # [B, T, N, HV]
-    lse_ptr,  # [B, T, N] f32
-    delta_ptr,  # [B, T, N] f32
-    offset_ptr,  # [B] int32
-    len_ptr,  # [B] int32
-    window_ptr,  # [K] int32
-    sink_ptr,  # [K] int32
-    dk_ptr,  # [B, S, K, H]
-    dv_ptr,  # [B, S, K, HV]
-    dq_ptr,  # [B, T, N, H] f32, zeroed: unscaled dQ, summed over the key tiles by atomics
-    SCALE: tl.constexpr, B: tl.constexpr, T: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
-    G: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """dK, dV and dQ in one pass over the score tiles (5 matmuls a tile against the two-kernel
-    path's 7); the order of the dQ additions varies from run to run."""
-    _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, offset_ptr, len_ptr,
-                  window_ptr, sink_ptr, dk_ptr, dv_ptr, dq_ptr, SCALE, B, T, S, K, G, H, HV,
-                  CAUSAL, BLOCK_M, BLOCK_N, BLOCK_H, BLOCK_HV, PRECISION, True)
-
-
 def backward(q, k, v, out, lse, d_out, d_lse, q_offset, window, sinks, kv_lengths, *, causal,
               scale, config):
     """dQ, dK, dV. `d_lse` enters through `delta` (d lse / d score = p, as d out does).
 
-    `config.deterministic`: dQ by its own kernel, each gradient row summed by one program in a
-    fixed order (no atomics; bit-reproducible). Otherwise one kernel adds each key tile's dQ share
-    into a float32 accumulator with atomics (fewer matmuls, run-to-run rounding differences)."""
+    Deterministic: each gradient row is summed by one program in a fixed order (no atomics)."""
     dims = _shapes(q, k, v)
     b, t, _, _ = q.shape
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
     args = (q, k, v, d_out.astype(q.dtype), lse, delta, q_offset, kv_lengths, window, sinks)
     launch = dict(num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages, SCALE=scale,
                   CAUSAL=causal, **dims)
-    num_n = triton.cdiv(dims["S"], config.dkv_block_n)
-    grid = (num_n * b * dims["K"],)
-    tiles = dict(BLOCK_M=config.dkv_block_m, BLOCK_N=config.dkv_block_n)
-    dk_shape = jax.ShapeDtypeStruct(k.shape, k.dtype)
-    dv_shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
-    if not config.deterministic:
-        dk, dv, dq = triton_call(
-            *args, kernel=_flash_bwd_kernel,
-            out_shape=(dk_shape, dv_shape, jax.ShapeDtypeStruct(q.shape, jnp.float32)),
-            zeroed_outputs=(2,), grid=grid, **tiles, **launch)
-        return (dq * scale).astype(q.dtype), dk, dv
     num_m = triton.cdiv(t * dims["G"], config.dq_block_m)
     dq = triton_call(*args, kernel=_flash_bwd_dq_kernel,
                      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
                      grid=(num_m * b * dims["K"],), NUM_M=num_m, BLOCK_M=config.dq_block_m,
                      BLOCK_N=config.dq_block_n, **launch)
-    dk, dv = triton_call(*args, kernel=_flash_bwd_dkdv_kernel, out_shape=(dk_shape, dv_shape),
-                         grid=grid, **tiles, **launch)
+    num_n = triton.cdiv(dims["S"], config.dkv_block_n)
+    dk, dv = triton_call(*args, kernel=_flash_bwd_dkdv_kernel,
+                         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
+                                    jax.ShapeDtypeStruct(v.shape, v.dtype)),
+                         grid=(num_n * b * dims["K"],), BLOCK_M=config.dkv_block_m,
+                         BLOCK_N=config.dkv_block_n, **launch)
     return dq, dk, dv

@@ -21,8 +21,7 @@ the lse stays the scores'. A NaN key is masked out of the scores. Whole tiles ne
 sm_90a: 255, no spills at H 64 / 128 / 256 with power-of-two groups, 4 bytes at G = 5): the value
 check runs first in a masked step, before the score tile is live, and the output row offsets are
 rebuilt from `pos` after the key loops rather than kept live through them. The backward
-(`attn/dense/_flash_bwd.py`: FlashAttention-2, one dK / dV kernel that also adds each key tile's
-dQ share with float32 atomics, or with `Config.deterministic` a dQ kernel beside it; the same tile
+(`attn/dense/_flash_bwd.py`: FlashAttention-2, a dQ kernel and a dK / dV kernel, the same tile
 split) keeps the same rule.
 
 Supports: causal and non-causal, `q_offset` `[B]` (chunked prefill over a cached prefix), window
@@ -80,9 +79,6 @@ class Config:
     dq_block_n: int = 64
     bwd_num_warps: int = 8
     bwd_num_stages: int = 3
-    # The backward's dQ: False adds each key tile's share with float32 atomics inside the dK / dV
-    # kernel (5 matmuls a score tile); True runs the dQ kernel instead (7; bit-reproducible).
-    deterministic: bool = False
     # The unmasked key loop as `tl.range(..., warp_specialize=True)`: Triton's Hopper pass splits
     # it into producer (loads) and consumer (dots, softmax) warp groups. Applies with >= 8 warps
     # only (Triton 3.6 does not compile it with 4). `warp_specialize_masked`: the masked loops too.
@@ -102,8 +98,8 @@ def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
     128 x 64 tiles unspecialised 4.53 ms). Backward: dQ 128 rows x 64 keys a step, dK / dV 128
     keys x 64 rows a step, 8 warps, 3 stages (causal N32/K8 H128 S8K: 3.58 ms, 538 TFLOP/s of
     the 7 matmuls a score tile it runs; 4 warps spill). Wide heads (> 128) take 32-key tiles
-    and 2 stages, unspecialised, so the K/V stages fit in shared memory. `python -m experiments.tools.sweep flash_prefill` (`flash_prefill_bwd`)
-    times alternatives."""
+    and 2 stages, unspecialised, so the K/V stages fit in shared memory.
+    `python -m experiments.tools.sweep flash_prefill` (`flash_prefill_bwd`) times alternatives."""
     width = max(head_dim, value_head_dim or head_dim)
     if width > 128:
         return Config(block_m=128, block_n=32, num_warps=8, num_stages=2, dkv_block_m=32,

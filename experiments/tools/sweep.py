@@ -266,12 +266,12 @@ TARGETS = {
         "", "block_m=128,block_n=64,num_warps=8,num_stages=3",
         "block_m=128,block_n=128,num_warps=8,num_stages=2"),
         ("", "block_m=16,block_n=16,num_warps=4")),
-    "flash_prefill_bwd": Target(prefill.BackwardArgs, _backward, (
-        "", "deterministic=1,dkv_block_m=64",
-        *(f"dkv_block_m={km},dkv_block_n={kn},bwd_num_stages={st}"
-          for km, kn, st in ((32, 128, 2), (32, 128, 3), (64, 64, 2), (64, 64, 3),
-                             (64, 128, 2))),
-        "deterministic=1,dkv_block_m=32"),
+    "flash_prefill_bwd": Target(prefill.BackwardArgs, _backward, tuple(
+        f"dq_block_m={qm},dq_block_n={qn},dkv_block_m={km},dkv_block_n={kn},bwd_num_warps={w},"
+        f"bwd_num_stages={st}"
+        for qm, qn, km, kn, w, st in ((128, 64, 64, 128, 8, 3), (128, 64, 32, 128, 8, 3),
+                                      (128, 64, 64, 128, 8, 2), (128, 128, 64, 128, 8, 3),
+                                      (64, 64, 64, 64, 8, 2))),
         ("", "dq_block_m=16,dq_block_n=16,dkv_block_m=16,dkv_block_n=16,bwd_num_warps=4")),
     "paged_prefill": Target(sparse.PagedPrefillArgs, _paged_prefill, (
         "", "block_m=128,block_n=64,num_warps=8,num_stages=3,warp_specialize=0",
