@@ -12,15 +12,17 @@ random bf16 weights (`experiments.bench.engine.QWEN3_0_6B`), B64 rows over S8K c
 pages of 64: random pages and tables as after S tokens (as `engine_decode`), the same values on
 one GPU and split by head over all of them (`Engine(mesh=...)`, `shard_weights` True and False).
 Each run decodes greedily `warmup + trials x steps` tokens per row, feeding its tokens back
-(positions `S - n .. S - 1`, no host sync inside a trial); `ms` is the median over trials of the
-mean step time. Rows: tokens/s (`B / step`), the speed-up over one GPU of the same process,
-whether every generated token equals one GPU's (`tokens_identical`, and the share that do; a row
-whose token differs decodes other tokens from then on), the first step's tokens and logits
-against one GPU's; the floor is (weights + KV bytes per GPU) / the measured copy bandwidth of
-GPU 0. The last row runs the first step on one GPU with `implementation="xla"` (the XLA paged
-attention instead of the Triton kernel): how far two correct one-GPU backends agree on this
-random-weight model over random pages. Goal (PERF.md): >= 1.7x one GPU on 2 GPUs, tokens
-identical.
+(positions `S - n .. S - 1`). Steps are timed in steady state: the host keeps two steps queued
+ahead of the one whose completion it waits for, and `ms` is the median over trials of the mean
+completion-to-completion time of `steps` steps; `dispatch_ms` is the host's time to enqueue one
+(below `ms`: the step is GPU-bound). Rows: tokens/s (`B / step`), the speed-up over one GPU of
+the same process, whether every generated token equals one GPU's (`tokens_identical`, and the
+share that do; a row whose token differs decodes other tokens from then on), the first step's
+tokens and logits against one GPU's; the floor is (weights + KV bytes per GPU) / the measured
+copy bandwidth of GPU 0. The last row runs the first step on one GPU with
+`implementation="xla"` (the XLA paged attention instead of the Triton kernel): how far two
+correct one-GPU backends agree on this random-weight model over random pages. Goal (PERF.md):
+>= 1.7x one GPU on 2 GPUs, tokens identical.
 
 One process drives every GPU of the host (a 1-D mesh `sp` over all of them). First it checks the
 sharded ops against the whole-sequence reference at a small size on the GPU kernels (ring's
@@ -44,6 +46,7 @@ item runs under a time budget; what does not fit is recorded as skipped. Results
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -142,10 +145,10 @@ class Run:
 
 CP_COLS = ("case", "gpus", "S", "ms", "tflops", "ratio_to_D_x_one_gpu", "comm_ms", "compute_ms",
            "hidden_comm_ms", "kernel", "note")
-TP_COLS = ("case", "gpus", "shard_weights", "ms", "tokens_per_s", "speedup_vs_one_gpu",
-           "floor_ms", "tokens_identical", "tokens_equal_share", "first_step_tokens_equal_share",
-           "logits_rel_err", "recompiles",
-           "goal", "meets_goal", "note")
+TP_COLS = ("case", "gpus", "shard_weights", "ms", "dispatch_ms", "tokens_per_s",
+           "speedup_vs_one_gpu", "floor_ms", "tokens_identical", "tokens_equal_share",
+           "first_step_tokens_equal_share", "logits_rel_err", "recompiles", "goal", "meets_goal",
+           "note")
 
 
 def load_doc(out: Path) -> dict:
@@ -309,6 +312,9 @@ def tp_state(engine, seq: int, *, seed: int = 0):
     return engine.place_state(EngineKV(pools, tables, allocator))
 
 
+_IN_FLIGHT = 2  # decode steps the timing loop keeps queued ahead of the one it waits for
+
+
 def tp_decode(model, *, mesh, shard_weights: bool, batch: int, seq: int, page: int,
               warmup: int, trials: int, steps: int, implementation: str = "auto",
               span: int | None = None) -> dict:
@@ -331,34 +337,38 @@ def tp_decode(model, *, mesh, shard_weights: bool, batch: int, seq: int, page: i
     start_pos = seq - (span or total)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, model.cfg.vocab_size, (batch, 1)),
                       jnp.int32)
-    tokens, times, first_logits, first_call_s = [], [], None, 0.0
-    traces = None
-    i = 0
-    for trial in range(-warmup, trials):
-        n = 1 if trial < 0 else steps
-        t0 = time.perf_counter()
-        for _ in range(n):
-            offsets = np.full(batch, start_pos + i, np.int32)
-            out, logits, states, _ = engine._step(engine._graphdef, engine._params, states, ids,
-                                                  offsets, fixed[0], *fixed[1:], decode=True,
-                                                  draw=False)
-            if first_logits is None:
-                first_logits = np.asarray(logits)
-                first_call_s = time.perf_counter() - t0
-            tokens.append(out)
-            ids = out[:, None]
-            i += 1
-        jax.block_until_ready(ids)
-        if trial >= 0:
-            times.append((time.perf_counter() - t0) / n)
-        elif trial == -1:
+    tokens, first_logits, first_call_s, traces = [], None, 0.0, None
+    # Steady state: the host keeps `_IN_FLIGHT` steps queued ahead of the one it waits for and
+    # stamps each step's completion, so a step's time is completion to completion, without the
+    # host's enqueueing of the first step of a burst in it (`dispatch_ms`, less than a step).
+    pending, done_at, dispatch = collections.deque(), [], []
+    for i in range(total):
+        if i == warmup:
             traces = engine_mod.TRACES["decode"]
+        offsets = np.full(batch, start_pos + i, np.int32)
+        t0 = time.perf_counter()
+        out, logits, states, _ = engine._step(engine._graphdef, engine._params, states, ids,
+                                              offsets, fixed[0], *fixed[1:], decode=True,
+                                              draw=False)
+        dispatch.append(time.perf_counter() - t0)
+        if first_logits is None:
+            first_logits = np.asarray(logits)
+            first_call_s = time.perf_counter() - t0
+        tokens.append(out)
+        ids = out[:, None]
+        pending.append(out)
+        while len(pending) > (_IN_FLIGHT if i < total - 1 else 0):
+            pending.popleft().block_until_ready()
+            done_at.append(time.perf_counter())
+    times = [(done_at[warmup - 1 + (t + 1) * steps] - done_at[warmup - 1 + t * steps]) / steps
+             for t in range(trials)]
     recompiles = engine_mod.TRACES["decode"] - traces if trials else None
     pool = states.pools[0]
     kv_bytes = len(states.pools) * batch * seq * 2 * pool.num_kv_heads * pool.head_dim * 2
     weights = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(engine._params))
     gpus = 1 if mesh is None else mesh.size
     result = {"ms": statistics.median(times) * 1e3 if times else None,
+              "dispatch_ms": statistics.median(dispatch[warmup:] or dispatch) * 1e3,
               "tokens": np.asarray(jnp.stack(tokens)),
               "logits": first_logits, "first_call_s": first_call_s, "recompiles": recompiles,
               "weight_bytes_per_gpu": int(weights), "kv_bytes_per_gpu": kv_bytes // gpus,
@@ -417,7 +427,7 @@ def tp_suite(args) -> None:
         elif r is not None:
             floor = (r["weight_bytes_per_gpu"] + r["kv_bytes_per_gpu"]) / copy_tbs / 1e9
             row |= {"gpus": r["gpus"], "shard_weights": sw if m is not None else None,
-                    "ms": round(r["ms"], 3),
+                    "ms": round(r["ms"], 3), "dispatch_ms": round(r["dispatch_ms"], 3),
                     "tokens_per_s": round(args.tp_batch * 1e3 / r["ms"], 1),
                     "floor_ms": round(floor, 3), "recompiles": r["recompiles"],
                     "first_call_s": round(r["first_call_s"], 1),
