@@ -276,10 +276,11 @@ def test_split_reference_is_the_varlen_reference():
 @pytest.mark.parametrize("varlen", [False, True], ids=["B1-T32K", "varlen"])
 def test_compiled_on_gpu_at_model_dims(varlen):
     """T32K, C = 8192, W4, bf16, SiLU, initial state, bias; varlen: four packed sequences (one
-    shorter than W - 1, against the reference run per sequence): within 3x the error of the
-    bf16 XLA reference (the default config, the tanh SiLU derivative)."""
+    shorter than W - 1, against the reference run per sequence) over C = 1536 (channels are
+    independent; the per-sequence host reference at 8192 takes minutes): within 3x the error of
+    the bf16 XLA reference (the default config, the tanh SiLU derivative)."""
     lens = [2, 998, 19000, 12768] if varlen else None
-    args, cots = _problem(rng(), b=1, t=32768, c=8192, w=4, dtype=jnp.bfloat16, state=True,
-                          bias=True, lens=lens)
+    args, cots = _problem(rng(), b=1, t=32768, c=1536 if varlen else 8192, w=4,
+                          dtype=jnp.bfloat16, state=True, bias=True, lens=lens)
     _check_within_3x_reference_error(args, cots, None, jnp.bfloat16,
                                      _split_reference(lens) if varlen else ref.causal_conv1d)
