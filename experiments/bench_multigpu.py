@@ -14,15 +14,15 @@ one GPU and split by head over all of them (`Engine(mesh=...)`, `shard_weights` 
 Each run decodes greedily `warmup + trials x steps` tokens per row, feeding its tokens back
 (positions `S - n .. S - 1`). Steps are timed in steady state: the host keeps two steps queued
 ahead of the one whose completion it waits for, and `ms` is the median over trials of the mean
-completion-to-completion time of `steps` steps; `dispatch_ms` is the host's time to enqueue one
-(below `ms`: the step is GPU-bound). Rows: tokens/s (`B / step`), the speed-up over one GPU of
-the same process, whether every generated token equals one GPU's (`tokens_identical`, and the
-share that do; a row whose token differs decodes other tokens from then on), the first step's
-tokens and logits against one GPU's; the floor is (weights + KV bytes per GPU) / the measured
-copy bandwidth of GPU 0. The last row runs the first step on one GPU with
-`implementation="xla"` (the XLA paged attention instead of the Triton kernel): how far two
-correct one-GPU backends agree on this random-weight model over random pages. Goal (PERF.md):
->= 1.7x one GPU on 2 GPUs, tokens identical.
+completion-to-completion time of `steps` steps; `dispatch_ms` is the host's time inside one
+step call (enqueueing, and waiting while the queue is full), below `ms`: the step is GPU-bound.
+Rows: tokens/s (`B / step`), the speed-up over one GPU of the same process, whether every
+generated token equals one GPU's (`tokens_identical`, and the share that do; a row whose token
+differs decodes other tokens from then on), the first step's tokens and logits against one GPU's;
+the floor is (weights + KV bytes per GPU) / the measured copy bandwidth of GPU 0. The last row
+runs the first step on one GPU with `implementation="xla"` (the XLA paged attention instead of
+the Triton kernel): how far two correct one-GPU backends agree on this random-weight model over
+random pages. Goal (PERF.md): >= 1.7x one GPU on 2 GPUs, tokens identical.
 
 One process drives every GPU of the host (a 1-D mesh `sp` over all of them). First it checks the
 sharded ops against the whole-sequence reference at a small size on the GPU kernels (ring's
@@ -340,7 +340,7 @@ def tp_decode(model, *, mesh, shard_weights: bool, batch: int, seq: int, page: i
     tokens, first_logits, first_call_s, traces = [], None, 0.0, None
     # Steady state: the host keeps `_IN_FLIGHT` steps queued ahead of the one it waits for and
     # stamps each step's completion, so a step's time is completion to completion, without the
-    # host's enqueueing of the first step of a burst in it (`dispatch_ms`, less than a step).
+    # host's enqueueing of the first step of a burst in it.
     pending, done_at, dispatch = collections.deque(), [], []
     for i in range(total):
         if i == warmup:
