@@ -274,15 +274,13 @@ def _dq_kernel(
 
 
 @triton.jit
-def _dkdv_step(dk, dv, e, k, v, k_dq, cols, q_base, do_base, lse_base, delta_base, dq_base,
-               entries, i, kh, q_len, kv_len, SCALE_LOG2: tl.constexpr, N: tl.constexpr,
-               G: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, TB: tl.constexpr,
-               BS: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr,
-               FUSED_DQ: tl.constexpr):
+def _dkdv_step(dk, dv, e, k, v, cols, q_base, do_base, lse_base, delta_base, entries, i, kh,
+               q_len, kv_len, SCALE_LOG2: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
+               H: tl.constexpr, HV: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr,
+               MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_HV: tl.constexpr, PRECISION: tl.constexpr):
     """Step `i` of the dK / dV walk: `BLOCK_M` queries of entry `e` (query tile `e % TB` of
-    sibling `e // TB`); returns the entry of step `i + 1` too (loaded one step ahead).
-    `FUSED_DQ`: also adds the step's `dS K` into the rows' float32 dQ (`dq_base`, atomics)."""
+    sibling `e // TB`); returns the entry of step `i + 1` too (loaded one step ahead)."""
     SPM: tl.constexpr = BS // BLOCK_M
     e_next = tl.load(entries + tl.minimum((i + 1) // SPM, G * TB - 1))
     offs_h = tl.arange(0, BLOCK_H)
@@ -312,18 +310,7 @@ def _dkdv_step(dk, dv, e, k, v, k_dq, cols, q_base, do_base, lse_base, delta_bas
     ds_t = p_t * (dp_t - delta[None, :])
     if MASKED:  # P = 0 times a NaN value in dP would leak into dK
         ds_t = tl.where(visible, ds_t, 0.0)
-    ds_t = ds_t.to(q.dtype)
-    dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
-    if FUSED_DQ:  # this key tile's share of the rows' dQ; the other key tiles add theirs
-        dq = tl.dot(tl.trans(ds_t), k_dq, input_precision=PRECISION)  # [BLOCK_M, BLOCK_H]
-        dq_ptrs = dq_base + q_rows[:, None] * H + offs_h[None, :]
-        if MASKED:  # padding rows have dS = 0 and finite keys: they would only add zeros
-            tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & (offs_h < H)[None, :],
-                          sem="relaxed")
-        elif BLOCK_H != H:
-            tl.atomic_add(dq_ptrs, dq, mask=(offs_h < H)[None, :], sem="relaxed")
-        else:
-            tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv, e_next
 
 
@@ -344,7 +331,6 @@ def _dkdv_kernel(
     dv_ptr,  # [B, S, K, HV]
     pk_ptr,  # [SLOTS, BLOCK_N, BLOCK_H] f32 partial dK of cut programs
     pv_ptr,  # [SLOTS, BLOCK_N, BLOCK_HV] f32 partial dV
-    dq_ptr,  # [B, T, N, H] f32 dQ accumulator, zeroed (FUSED_DQ; unused otherwise)
     SCALE: tl.constexpr,
     B: tl.constexpr,
     T: tl.constexpr,
@@ -363,7 +349,6 @@ def _dkdv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     PRECISION: tl.constexpr,
-    FUSED_DQ: tl.constexpr,
 ):
     N: tl.constexpr = K * G
     SCALE_LOG2: tl.constexpr = SCALE * LOG2E
@@ -395,12 +380,6 @@ def _dkdv_kernel(
     do_base = do_ptr + b.to(tl.int64) * (T * N * HV)
     lse_base = lse_ptr + b.to(tl.int64) * (T * N)
     delta_base = delta_ptr + b.to(tl.int64) * (T * N)
-    dq_base = dq_ptr + b.to(tl.int64) * (T * N * H)
-    # dQ takes `dS K` with non-finite keys zeroed: a row that does not see such a key has dS = 0
-    # there, and 0 times it would be NaN; a row that sees it has NaN scores and so NaN dS.
-    k_dq = k
-    if FUSED_DQ:
-        k_dq = tl.where(tl.abs(k.to(tl.float32)) < float("inf"), k, 0.0)
 
     list_row = (b * K + kh) * SB + jb
     whole = tl.load(whole_ptr + list_row)
@@ -412,17 +391,15 @@ def _dkdv_kernel(
     # This unit's steps [lo, hi) of the walk: the whole part, then the masked one.
     e = tl.load(entries + tl.minimum(lo // SPM, G * TB - 1))
     for i in range(lo, tl.minimum(hi, whole * SPM)):  # every query sees every key: no mask
-        dk, dv, e = _dkdv_step(dk, dv, e, k, v, k_dq, cols, q_base, do_base, lse_base,
-                               delta_base, dq_base, entries, i, kh, q_len, kv_len, SCALE_LOG2, N,
-                               G, H, HV, TB, BS, False, BLOCK_M, BLOCK_H, BLOCK_HV, PRECISION,
-                               FUSED_DQ)
+        dk, dv, e = _dkdv_step(dk, dv, e, k, v, cols, q_base, do_base, lse_base, delta_base,
+                               entries, i, kh, q_len, kv_len, SCALE_LOG2, N, G, H, HV, TB, BS,
+                               False, BLOCK_M, BLOCK_H, BLOCK_HV, PRECISION)
     masked_lo = tl.maximum(lo, whole * SPM)
     e = tl.load(entries + tl.minimum(masked_lo // SPM, G * TB - 1))
     for i in range(masked_lo, hi):  # the diagonal tile and the length tails
-        dk, dv, e = _dkdv_step(dk, dv, e, k, v, k_dq, cols, q_base, do_base, lse_base,
-                               delta_base, dq_base, entries, i, kh, q_len, kv_len, SCALE_LOG2, N,
-                               G, H, HV, TB, BS, True, BLOCK_M, BLOCK_H, BLOCK_HV, PRECISION,
-                               FUSED_DQ)
+        dk, dv, e = _dkdv_step(dk, dv, e, k, v, cols, q_base, do_base, lse_base, delta_base,
+                               entries, i, kh, q_len, kv_len, SCALE_LOG2, N, G, H, HV, TB, BS,
+                               True, BLOCK_M, BLOCK_H, BLOCK_HV, PRECISION)
     if slot < 0:  # the whole program: write its rows
         in_s = cols < S
         tl.store(dk_ptr + k_rows[:, None] * H + offs_h[None, :],
@@ -491,12 +468,11 @@ def backward(q, k, v, out, lse, d_out, d_lse, eff, blocks, count, whole, q_lengt
       q, k, v, out, lse: the forward's inputs and outputs.
       d_out, d_lse: their cotangents (`[B, T, N, Hv]`, `[B, T, N]`).
       eff: `[B, N, Tb, Sb]` bool, the effective block mask.
-      blocks, count, whole: the forward's lists (`triton.block_lists` of `eff`); only the
-        deterministic path's dQ kernel reads them.
+      blocks, count, whole: the forward's lists (`triton.block_lists` of `eff`).
       q_lengths, kv_lengths: `[B]` int32, clamped to `[0, T]` / `[0, S]`.
       block_size, scale: as the forward.
-      config: `attn.block_sparse.triton.Config` (its `dq_*` and `dkv_*` fields, tiles capped at
-        the block size, and `deterministic`).
+      config: `attn.block_sparse.triton.Config` (its `dq_*` and `dkv_*` fields; tiles capped at
+        the block size).
       num_sms: streaming multiprocessors (`dkv_schedule`'s fair share).
 
     Returns:
@@ -505,26 +481,21 @@ def backward(q, k, v, out, lse, d_out, d_lse, eff, blocks, count, whole, q_lengt
     b, t, n, h = q.shape
     s, kh, hv = k.shape[1], k.shape[2], v.shape[-1]
     dims = dict(SCALE=float(scale), B=b, T=t, S=s, K=kh, G=n // kh, H=h, HV=hv,
-                TB=eff.shape[2], SB=eff.shape[3], BS=block_size,
+                TB=blocks.shape[2], SB=blocks.shape[3], BS=block_size,
                 BLOCK_H=max(16, triton.next_power_of_2(h)),
                 BLOCK_HV=max(16, triton.next_power_of_2(hv)),
                 PRECISION="ieee" if q.dtype == jnp.float32 else "tf32")
     d_out = d_out.astype(q.dtype)
-    f32 = jnp.float32
-    fused = not config.deterministic
 
-    if fused:
-        delta = _delta(out, d_out, lse, d_lse)
-    else:
-        dq_m, dq_n = min(config.dq_block_m, block_size), min(config.dq_block_n, block_size)
-        num_m = triton.cdiv(t, dq_m)
-        dq, delta = triton_call(
-            q, k, v, d_out, out, lse, d_lse.astype(f32), q_lengths, kv_lengths, blocks,
-            count, whole, kernel=_dq_kernel,
-            out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                       jax.ShapeDtypeStruct(lse.shape, f32)),
-            grid=(num_m * b * n,), num_warps=config.dq_num_warps,
-            num_stages=config.dq_num_stages, NUM_M=num_m, BLOCK_M=dq_m, BLOCK_N=dq_n, **dims)
+    dq_m, dq_n = min(config.dq_block_m, block_size), min(config.dq_block_n, block_size)
+    num_m = triton.cdiv(t, dq_m)
+    dq, delta = triton_call(
+        q, k, v, d_out, out, lse, d_lse.astype(jnp.float32), q_lengths, kv_lengths, blocks,
+        count, whole, kernel=_dq_kernel,
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct(lse.shape, jnp.float32)),
+        grid=(num_m * b * n,), num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
+        NUM_M=num_m, BLOCK_M=dq_m, BLOCK_N=dq_n, **dims)
 
     kv_n, kv_m = min(config.dkv_block_n, block_size), min(config.dkv_block_m, block_size)
     num_n = triton.cdiv(s, kv_n)
@@ -532,34 +503,20 @@ def backward(q, k, v, out, lse, d_out, d_lse, eff, blocks, count, whole, q_lengt
     units, cut = dkv_schedule(t_count, num_n, kv_n, block_size, kv_m, num_sms,
                               split=config.dkv_split)
     slots = 2 * cut.shape[1]
-    # The float32 dQ accumulator (one unused element on the deterministic path).
-    dq_acc_shape = q.shape if fused else (1,)
-    dk, dv, pk, pv, dq_acc = triton_call(
+    f32 = jnp.float32
+    dk, dv, pk, pv = triton_call(
         q, k, v, d_out, lse, delta, q_lengths, kv_lengths, entries, t_whole, units,
         kernel=_dkdv_kernel,
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
                    jax.ShapeDtypeStruct((slots, kv_n, dims["BLOCK_H"]), f32),
-                   jax.ShapeDtypeStruct((slots, kv_n, dims["BLOCK_HV"]), f32),
-                   jax.ShapeDtypeStruct(dq_acc_shape, f32)),
-        zeroed_outputs=(4,) if fused else (), grid=(units.shape[1],),
-        num_warps=config.dkv_num_warps, num_stages=config.dkv_num_stages, NUM_N=num_n,
-        UNITS=units.shape[1], BLOCK_M=kv_m, BLOCK_N=kv_n, FUSED_DQ=fused, **dims)
+                   jax.ShapeDtypeStruct((slots, kv_n, dims["BLOCK_HV"]), f32)),
+        grid=(units.shape[1],), num_warps=config.dkv_num_warps,
+        num_stages=config.dkv_num_stages, NUM_N=num_n, UNITS=units.shape[1], BLOCK_M=kv_m,
+        BLOCK_N=kv_n, **dims)
     dk, dv = triton_call(
         pk, pv, cut, dk, dv, kernel=_dkdv_reduce_kernel,
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         input_output_aliases={3: 0, 4: 1}, grid=(cut.shape[1],), num_warps=4,
         SCALE=float(scale), B=b, S=s, K=kh, H=h, HV=hv, NUM_N=num_n, CUTS=cut.shape[1],
         BLOCK_N=kv_n, BLOCK_H=dims["BLOCK_H"], BLOCK_HV=dims["BLOCK_HV"])
-    if fused:  # rows no key tile reached (padding, rows that see nothing) stay zero
-        dq = (dq_acc * scale).astype(q.dtype)
     return dq, dk, dv
-
-
-def _delta(out, d_out, lse, d_lse):
-    """`rowsum(dO * O) - dlse` `[B, T, N]` float32, 0 where lse is -inf (rows that see nothing,
-    padding: P = 0), for the fused dK / dV kernel (one XLA pass over dO and O)."""
-    # A multiply and a row sum (one loop fusion), not an einsum: XLA would make that a batched
-    # matrix product of 1 x Hv rows.
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    delta = delta - d_lse.astype(jnp.float32)
-    return jnp.where(lse == float("-inf"), 0.0, delta)

@@ -93,10 +93,6 @@ class Config:
     # Programs with more than a fair share of the dK / dV steps cut into chunks whose partial
     # sums are added by a second kernel (`_triton_bwd.dkv_schedule`); False: never cut.
     dkv_split: bool = True
-    # The backward's dQ: False adds each dK / dV step's `dS K` into a float32 accumulator with
-    # atomics (5 matrix products a score tile, the order of the adds varies from run to run);
-    # True runs the separate dQ kernel (7 products a tile, bit-reproducible).
-    deterministic: bool = False
 
     def __post_init__(self):
         _checks.check_launch_config(
