@@ -48,18 +48,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from flax import nnx
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from attn import context_parallel as cp
+from attn._op import IMPLEMENTATIONS
+from attn.context_parallel import _layout
 from models.layers.attention import QKV, AttendSpec
 from models.layers.gdn import GDNInputs, GDNSpec, GDNState
 
 VARIANTS = ("ring", "allgather")
-_IMPLEMENTATIONS = ("xla", "triton", "mosaic", "auto")  # attn._op.IMPLEMENTATIONS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,9 +104,9 @@ class ContextParallelAttend:
                              f"{tuple(self.mesh.axis_names)}")
         if self.variant not in VARIANTS:
             raise ValueError(f"variant={self.variant!r} must be one of {VARIANTS}")
-        if self.implementation not in _IMPLEMENTATIONS:
+        if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation={self.implementation!r} must be one of "
-                             f"{_IMPLEMENTATIONS}")
+                             f"{IMPLEMENTATIONS}")
         if self.seq_len is not None and not (isinstance(self.seq_len, int)
                                              and self.seq_len >= 1):
             raise ValueError(f"seq_len={self.seq_len!r} must be None or an int >= 1")
@@ -118,8 +119,6 @@ class ContextParallelAttend:
           NotImplementedError: a `state` (a KV cache), or a spec with options beyond
             `AttendSpec`'s scale / window / sinks.
         """
-        from attn import context_parallel as cp
-
         _check_spec(spec)
         if state is not None:
             raise NotImplementedError(
@@ -142,8 +141,6 @@ class ContextParallelAttend:
         """A GDN layer's conv + delta rule over the sharded sequence (`ring_gdn_mixer`), from
         `state` (None: zeros); returns the output and the state after the whole sequence, as
         `models.layers.gdn.gdn_mix`."""
-        from attn import context_parallel as cp
-
         common = dict(num_k_heads=spec.num_k_heads, head_k_dim=spec.head_k_dim,
                       conv_state=None if state is None else state.conv,
                       ssm_state=None if state is None else state.ssm, scale=spec.scale,
@@ -216,10 +213,6 @@ def context_parallel_forward(
       TypeError: non-integer ids or positions; `mesh` not a `jax.sharding.Mesh`.
       NotImplementedError: as `ContextParallelAttend` (raised while tracing the layer).
     """
-    from flax import nnx
-
-    from attn.context_parallel import from_zigzag, to_zigzag
-
     input_ids = jnp.asarray(input_ids)
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must have shape [B, S]; got shape {input_ids.shape}")
@@ -236,21 +229,17 @@ def context_parallel_forward(
     attend = ContextParallelAttend(mesh=mesh, axis_name=axis_name, variant=variant,
                                    implementation=implementation, seq_len=s)
     num = mesh.shape[axis_name]
-    padded = -(-s // (2 * num)) * (2 * num)
-    explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis_name] == AxisType.Explicit
+    padded = _layout.padded_length(s, num)
+    explicit = _layout.is_explicit(mesh, axis_name)
     spec = P(None, axis_name)
-
-    def place(x, where):
-        sharding = NamedSharding(mesh, where)
-        return (jax.sharding.reshard(x, sharding) if explicit
-                else lax.with_sharding_constraint(x, sharding))
+    place = lambda x, where: _layout.place(x, mesh, where, explicit=explicit)
 
     def lay_out(x, extend):
         if explicit:  # explicit sharding types have no rule for the reorder: reorder replicated
             x = place(x, P())
         tail = x[:, -1:] + jnp.arange(1, padded - s + 1, dtype=x.dtype) if extend else (
             jnp.zeros((b, padded - s), x.dtype))
-        return place(to_zigzag(jnp.concatenate([x, tail], axis=1), num), spec)
+        return place(cp.to_zigzag(jnp.concatenate([x, tail], axis=1), num), spec)
 
     graphdef, params = nnx.split(model)
 
@@ -259,17 +248,11 @@ def context_parallel_forward(
         hidden, _ = local.forward(ids, pos, attend=attend, states=states)
         return local.logits(hidden)
 
-    logits = _shard_map(body, mesh=mesh, in_specs=(P(), spec, spec, P()), out_specs=spec)(
+    # `_layout.shard_map`: the context-parallel ops' `shard_map` without the replication check
+    # (their blocks' custom calls carry no rule); a replicated input's cotangent is summed.
+    logits = _layout.shard_map(body, mesh=mesh, in_specs=(P(), spec, spec, P()), out_specs=spec)(
         params, lay_out(input_ids.astype(jnp.int32), False),
         lay_out(positions.astype(jnp.int32), True), states)
     if explicit:
         logits = place(logits, P())
-    return from_zigzag(logits, num)[:, :s]
-
-
-def _shard_map(f, *, mesh, in_specs, out_specs):
-    """`jax.shard_map` without the replication check (the blocks' custom calls carry no rule);
-    the context-parallel ops' own wrapper."""
-    from attn.context_parallel._layout import shard_map
-
-    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    return cp.from_zigzag(logits, num)[:, :s]
