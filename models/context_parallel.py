@@ -12,7 +12,7 @@ MLPs, MoE routing, the output head) is per token, so nothing else needs to know.
   the contiguous layout, so they need no reorder. XLA places the rest of the model.
 - `context_parallel_forward(model, ids, mesh=mesh, axis_name="sp")`: the whole forward inside
   one `shard_map`, activations in the zig-zag layout from embedding to logits (one reorder of
-  the token ids and positions in, one of the logits out), every layer on its local block
+  the token ids and positions in, one of the logits or per-token losses out), every layer on its local block
   (`ring_attention_local`, `ring_gdn_mixer_local(layout="zigzag")`), MoE dispatch over the local
   tokens only. The parameters enter replicated. This is the training path.
 
@@ -22,10 +22,9 @@ A training step (the sequence of a long document split over the `"sp"` devices):
     graphdef, params = nnx.split(model)
 
     def loss_fn(params, ids, targets):                       # ids, targets: [B, S] int32
-        logits = context_parallel_forward(nnx.merge(graphdef, params), ids, mesh=mesh,
-                                          axis_name="sp", implementation="auto")
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+        nll = context_parallel_forward(nnx.merge(graphdef, params), ids, mesh=mesh,
+                                       axis_name="sp", targets=targets)   # [B, S] float32
+        return jnp.mean(nll)
 
     loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, ids, targets)
     params = optax.apply_updates(params, optimizer.update(grads, opt_state, params)[0])
@@ -48,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
@@ -188,9 +188,14 @@ def context_parallel_forward(
     variant: str = "ring",
     implementation: str = "auto",
     states: Any = None,
-) -> Float[Array, "B S V"]:
+    targets: Int[Array, "B S"] | None = None,
+) -> Float[Array, "B S V"] | Float[Array, "B S"]:
     """A causal LM's full forward with the sequence sharded over `mesh`'s axis `axis_name`,
     every layer on its local zig-zag block inside one `shard_map`; differentiable.
+
+    With `targets` the per-token negative log-likelihood is computed on each device's block and
+    only `[B, S]` float32 leaves the devices (at long `S` the `[B, S, V]` logits are the largest
+    activation of the step); without, the logits come back.
 
     Args:
       model: a `models.transformer.CausalLM` (any family whose mixers are attention or GDN).
@@ -203,14 +208,16 @@ def context_parallel_forward(
       implementation: each block's backend.
       states: per-layer `GDNState` (or None) the GDN layers start from (None: zeros); attention
         layers take None.
+      targets: `[B, S]` integer target ids (each in `[0, V)`) or None.
 
     Returns:
-      `[B, S, V]` logits in the model dtype, in sequence order.
+      `[B, S, V]` logits in the model dtype, or with `targets` `[B, S]` float32
+      `-log softmax(logits)[target]`, in sequence order.
 
     Raises:
-      ValueError: `input_ids` not rank 2, positions of another shape, and as
+      ValueError: `input_ids` not rank 2, positions or targets of another shape, and as
         `ContextParallelAttend`.
-      TypeError: non-integer ids or positions; `mesh` not a `jax.sharding.Mesh`.
+      TypeError: non-integer ids, positions or targets; `mesh` not a `jax.sharding.Mesh`.
       NotImplementedError: as `ContextParallelAttend` (raised while tracing the layer).
     """
     input_ids = jnp.asarray(input_ids)
@@ -220,12 +227,15 @@ def context_parallel_forward(
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     positions = jnp.asarray(positions)
-    for name, x in (("input_ids", input_ids), ("positions", positions)):
+    given = {"input_ids": input_ids, "positions": positions}
+    if targets is not None:
+        given["targets"] = targets = jnp.asarray(targets)
+    for name, x in given.items():
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"{name}.dtype={x.dtype} must be an integer type")
-    if positions.shape != input_ids.shape:
-        raise ValueError(f"positions.shape={positions.shape} must equal "
-                         f"input_ids.shape={input_ids.shape}")
+        if x.shape != input_ids.shape:
+            raise ValueError(f"{name}.shape={x.shape} must equal "
+                             f"input_ids.shape={input_ids.shape}")
     attend = ContextParallelAttend(mesh=mesh, axis_name=axis_name, variant=variant,
                                    implementation=implementation, seq_len=s)
     num = mesh.shape[axis_name]
@@ -243,16 +253,22 @@ def context_parallel_forward(
 
     graphdef, params = nnx.split(model)
 
-    def body(params, ids, pos, states):
+    def body(params, states, ids, pos, *tgt):
         local = nnx.merge(graphdef, params)
         hidden, _ = local.forward(ids, pos, attend=attend, states=states)
-        return local.logits(hidden)
+        logits = local.logits(hidden)
+        if not tgt:
+            return logits
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))  # [B, T2, V]
+        return -jnp.take_along_axis(logp, tgt[0][..., None], -1)[..., 0]
 
+    seq = [lay_out(input_ids.astype(jnp.int32), False), lay_out(positions.astype(jnp.int32), True)]
+    if targets is not None:
+        seq.append(lay_out(targets.astype(jnp.int32), False))
     # `_layout.shard_map`: the context-parallel ops' `shard_map` without the replication check
     # (their blocks' custom calls carry no rule); a replicated input's cotangent is summed.
-    logits = _layout.shard_map(body, mesh=mesh, in_specs=(P(), spec, spec, P()), out_specs=spec)(
-        params, lay_out(input_ids.astype(jnp.int32), False),
-        lay_out(positions.astype(jnp.int32), True), states)
+    out = _layout.shard_map(body, mesh=mesh, in_specs=(P(), P()) + (spec,) * len(seq),
+                            out_specs=spec)(params, states, *seq)
     if explicit:
-        logits = place(logits, P())
-    return cp.from_zigzag(logits, num)[:, :s]
+        out = place(out, P())
+    return cp.from_zigzag(out, num)[:, :s]

@@ -14,7 +14,8 @@ the plain full forward (`DenseAttend`, the single-device GDN mix) on the same pa
 - Qwen3 with a sliding layer (window 16, 2 sinks) through `context_parallel_forward` (the whole
   forward in one `shard_map`, zig-zag layout from embedding to logits), all-gather and ring;
 - Qwen3-Next (a GDN layer, Nk 2 / Nv 4, chunk size 8, then a MoE; a gated attention layer,
-  N4 / K2) both ways (all-gather, ring), with random initial GDN states in the `shard_map` run;
+  N4 / K2) both ways (all-gather, ring), with random initial GDN states in the `shard_map` run,
+  which computes the per-token losses on the devices (`targets=`; compared per token);
 - the `shard_map` forward on an explicit mesh axis (`jax.make_mesh`'s default).
 
 A wrong causal mask, window, sink count, GQA mapping, halo exchange or state pass changes the
@@ -63,13 +64,14 @@ CONFIGS = {
 }
 # name -> (config, entry, variant, GDN initial states, mesh axis type). Entry "call":
 # `model(ids, attend=...)` for the logits and `forward` under grad; "shard_map":
-# `context_parallel_forward`.
+# `context_parallel_forward`; "shard_map-nll": the same with `targets` (per-token losses).
 CASES = {
     "llama-ring-call": ("llama", "call", "ring", False, "auto"),
     "llama-ring-shard_map-explicit": ("llama", "shard_map", "ring", False, "explicit"),
     "qwen3-window-sinks-allgather-shard_map": ("qwen3", "shard_map", "allgather", False, "auto"),
     "qwen3-window-sinks-ring-shard_map": ("qwen3", "shard_map", "ring", False, "auto"),
-    "qwen3_next-ring-shard_map-states": ("qwen3_next", "shard_map", "ring", True, "auto"),
+    "qwen3_next-ring-shard_map-states-nll": ("qwen3_next", "shard_map-nll", "ring", True,
+                                             "auto"),
     "qwen3_next-allgather-call": ("qwen3_next", "call", "allgather", False, "auto"),
 }
 # Covered by a sibling case: `model(ids, attend=...)` (Qwen3-Next's; Qwen3 is Llama with q / k
@@ -129,9 +131,10 @@ def _gdn_states(model, seed: int = 2):
     return states
 
 
-def _cross_entropy(logits, targets):
+def _token_nll(logits, targets):
+    """`[B, S]` float32 `-log softmax(logits)[target]`."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+    return -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
 
 
 def _check(name: str) -> None:
@@ -151,25 +154,29 @@ def _check(name: str) -> None:
     dense = DenseAttend(implementation="xla")
     cp = ContextParallelAttend(mesh=mesh, axis_name="sp", variant=variant, implementation="xla")
 
+    nll = entry == "shard_map-nll"  # compare per-token losses [B, S], else logits [B, S, V]
+
     def reference(params):
         m = nnx.merge(graphdef, params)
         hidden, _ = m.forward(ids, positions, attend=dense, states=states)
-        return m.logits(hidden)
+        return _token_nll(m.logits(hidden), targets) if nll else m.logits(hidden)
 
     def ours(params):
         m = nnx.merge(graphdef, params)
-        if entry == "shard_map":
+        if entry.startswith("shard_map"):
             return context_parallel_forward(m, ids, positions, mesh=mesh, axis_name="sp",
                                             variant=variant, implementation="xla",
-                                            states=states)
+                                            states=states, targets=targets if nll else None)
         hidden, _ = m.forward(ids, positions, attend=cp)
         return m.logits(hidden)
 
-    grad = lambda f: jax.jit(jax.value_and_grad(
-        lambda p: (lambda lg: (_cross_entropy(lg, targets), lg))(f(p)), has_aux=True))
+    loss_of = (lambda out: jnp.mean(out)) if nll else (
+        lambda out: jnp.mean(_token_nll(out, targets)))
+    grad = lambda f: jax.jit(jax.value_and_grad(lambda p: (lambda out: (loss_of(out), out))(
+        f(p)), has_aux=True))
     (want_loss, want), want_grads = grad(reference)(params)
     (loss, got), grads = grad(ours)(params)
-    assert_close(got, want, err_msg=f"{name} logits", **LOGIT_TOL)
+    assert_close(got, want, err_msg=f"{name} {'nll' if nll else 'logits'}", **LOGIT_TOL)
     assert_close(loss, want_loss, err_msg=f"{name} loss", **LOGIT_TOL)
     for (path, a), e in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
                             jax.tree.leaves(want_grads)):
@@ -271,6 +278,10 @@ def test_forward_errors_name_the_value():
         run(ids.astype(jnp.float32))
     with pytest.raises(ValueError, match=r"positions.shape=\(1, 7\) must equal"):
         run(ids, ids[:, :7])
+    with pytest.raises(ValueError, match=r"targets.shape=\(1, 7\) must equal"):
+        run(ids, targets=ids[:, :7])
+    with pytest.raises(TypeError, match="targets.dtype=float32 must be an integer type"):
+        run(ids, targets=ids.astype(jnp.float32))
     with pytest.raises(ValueError, match="axis_name='tp' is not an axis"):
         run(ids, axis_name="tp")
     with pytest.raises(ValueError, match="variant='striped'"):
