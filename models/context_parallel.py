@@ -12,9 +12,9 @@ MLPs, MoE routing, the output head) is per token, so nothing else needs to know.
   the contiguous layout, so they need no reorder. XLA places the rest of the model.
 - `context_parallel_forward(model, ids, mesh=mesh, axis_name="sp")`: the whole forward inside
   one `shard_map`, activations in the zig-zag layout from embedding to logits (one reorder of
-  the token ids and positions in, one of the logits or per-token losses out), every layer on its local block
-  (`ring_attention_local`, `ring_gdn_mixer_local(layout="zigzag")`), MoE dispatch over the local
-  tokens only. The parameters enter replicated. This is the training path.
+  the token ids and positions in, one of the logits or per-token losses out), every layer on
+  its local block (`ring_attention_local`, `ring_gdn_mixer_local(layout="zigzag")`), MoE
+  dispatch over the local tokens only. The parameters enter replicated. The training path.
 
 A training step (the sequence of a long document split over the `"sp"` devices)::
 
@@ -38,8 +38,9 @@ layers with or without an initial `GDNState`, lengths the device count does not 
 the end: causally invisible, dropped from the outputs). Not supported, each raising
 `NotImplementedError` naming it: a KV-cache `state` for an attention layer (this is the full
 forward; the engine has its own attends), an attend spec with more options than `AttendSpec`
-(the elastic `ElasticAttendSpec`), MLA layers (no context-parallel MLA op yet), packed
-sequences (no segment ids in the ring ops).
+(the elastic `ElasticAttendSpec`), MLA layers (no context-parallel MLA op). Packed sequences
+are not supported either (the ring ops take no segment ids; `model(ids, segment_ids=...,
+attend=...)` is refused by the model itself).
 """
 
 from __future__ import annotations
