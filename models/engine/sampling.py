@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 
-def sample(logits: Float[Array, "B V"], keys, temperature, top_k, top_p, *,  # noqa: F821
+def sample(logits: Float[Array, "B V"], keys, temperature, top_k, top_p, *,
            draw: bool = True) -> Int[Array, "B"]:  # noqa: F821
     """Greedy / temperature / top-k / top-p sampling per row (jittable).
 

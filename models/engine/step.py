@@ -226,7 +226,7 @@ class StaticGraph:
     28-layer model, host time added to every step). Equal to another holding an equal GraphDef,
     so engines of one model share the compiled steps."""
 
-    __slots__ = ("graphdef", "_hash")
+    __slots__ = ("_hash", "graphdef")
 
     def __init__(self, graphdef):
         self.graphdef = graphdef
