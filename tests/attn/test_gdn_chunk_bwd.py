@@ -70,7 +70,8 @@ def _rel_norm(a, e) -> float:
     return float(np.linalg.norm(a - e) / np.linalg.norm(e))
 
 
-def _check(got, exp, tol, err_msg=""):
+def _check(got, exp, tol, err_msg="", overrides=None):
+    """Every gradient within `tol` relative-norm error (`overrides`: per-name tolerances)."""
     assert len(got) == len(exp)
     for name, a, e in zip(NAMES, got, exp):
         a32 = np.asarray(jnp.asarray(a, jnp.float32))
@@ -80,8 +81,8 @@ def _check(got, exp, tol, err_msg=""):
         if not e32.any():  # e.g. dq with only the final state's cotangent
             assert not a32.any(), f"{err_msg} {name}: must be exactly 0"
             continue
-        err = _rel_norm(a32, e32)
-        assert err <= tol, f"{err_msg} {name}: relative error {err:.3g} > {tol}"
+        err, limit = _rel_norm(a32, e32), (overrides or {}).get(name, tol)
+        assert err <= limit, f"{err_msg} {name}: relative error {err:.3g} > {limit}"
 
 
 def _kernel(**kw):
@@ -144,15 +145,16 @@ def test_bf16_gradients_and_public_op():
     """bf16 q/k/v through `gdn.gdn_chunked(implementation="triton")` under jit, GVA 1 -> 2, T 130,
     and `gdn_prefill_pool` with a NaN-poisoned null slot: gradients in the inputs' dtypes, within
     4e-2 relative-norm error of the float32 reference's on the same bf16 values (the interpreter's
-    float32 -> bf16 casts truncate; the intermediates and dot operands are bf16, measured ~1e-2);
-    the pool's gradient reaches only the live rows' slots."""
+    float32 -> bf16 casts truncate; the intermediates and dot operands are bf16, measured ~1e-2;
+    dg, summed over a whole head of terms that cancel, within 6e-2: over random draws its median
+    is 0.023 and its tail reaches 0.041); the pool's gradient reaches only the live rows' slots."""
     gen = rng()
     xs, h0 = _problem(gen, b=2, t=130, nk=1, nv=2, h=16, hv=16, dtype=jnp.bfloat16)
     do, ds = _cotangents(gen, xs[2], 2, 16, "both")
     op = lambda *a, **k: gdn.gdn_chunked(*a, **k, use_qk_l2norm=True, implementation="triton")
     got = _grads(op, xs, h0, do, ds)
     exp = _grads(ref.gdn_chunked, xs, h0, do, ds, use_qk_l2norm=True)
-    _check(got, exp, 4e-2)
+    _check(got, exp, 4e-2, overrides={"dg": 6e-2})
 
     slots = np.asarray([3, 0], np.int32)  # row 1 is padding: its tokens give 0, its slot is null
     pool = jnp.asarray(0.5 * gen.standard_normal((5, 2, 16, 16)), jnp.float32)
