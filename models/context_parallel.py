@@ -97,12 +97,7 @@ class ContextParallelAttend:
     implementation: str = "auto"
 
     def __post_init__(self):
-        if not isinstance(self.mesh, Mesh):
-            raise TypeError(f"mesh={self.mesh!r} (type {type(self.mesh).__name__}) must be a "
-                            f"jax.sharding.Mesh")
-        if self.axis_name not in self.mesh.axis_names:
-            raise ValueError(f"axis_name={self.axis_name!r} is not an axis of the mesh "
-                             f"{tuple(self.mesh.axis_names)}")
+        _layout.check_mesh(self.mesh, self.axis_name)
         if self.variant not in VARIANTS:
             raise ValueError(f"variant={self.variant!r} must be one of {VARIANTS}")
         if self.implementation not in IMPLEMENTATIONS:
