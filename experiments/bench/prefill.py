@@ -13,7 +13,8 @@ forward + backward (`flash_prefill_fwd_bwd`). Shapes B1, N32 / K8, H128, bf16.
   tokamax's sliding window (`local_window_size=(window - 1, 0)`; neither has sinks, so our no-sink
   time is reported beside them). Goal `speedup_vs_anchor >= 0.9` (cuDNN).
 - `flash_prefill_fwd_bwd`: forward + backward at `seqs` (causal) and with `window` + `sink` at the
-  first, through `attention(implementation="auto")`, against cuDNN's (window without sinks); FLOPs
+  first, through `attention(implementation="auto")`, against cuDNN's and tokamax's (`tokamax_ms`,
+  the implementation its default picks; window without sinks for both); FLOPs
   3.5x the forward's (FA's count); the backward alone (`bwd_ms`, `bwd_tflops`, and the anchor's)
   is fwd+bwd minus the forward. Goal `speedup_vs_anchor >= 1.0`. `long_seqs` (S128K): the step
   runs on one GPU.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from typing import ClassVar
 
 import jax
@@ -183,14 +185,16 @@ def _tokamax_order() -> tuple[str, ...]:
         return ("mosaic", "triton", "xla")
 
 
-def _time_tokamax(ctx, q, k, v, **options) -> tuple[float | None, jax.Array | None, str | None,
-                                                    str]:
+def _time_tokamax(ctx, *args, wrap: Callable = jax.jit, **options) -> tuple[
+        float | None, object, str | None, str]:
     """tokamax `dot_product_attention` with the implementation its default would pick.
 
     Walks tokamax's default order: an implementation that raises NotImplementedError while
     tracing is skipped, as tokamax's own `implementation=None` does; the first that traces is
     timed with that implementation named explicitly (so the row knows which ran). One that then
-    fails to compile or run is noted and the next one tried.
+    fails to compile or run is noted and the next one tried. What is timed is
+    `wrap(attention)(*args)`: `args` `(q, k, v)` with `jax.jit`, `(q, k, v, d_out)` with
+    `grad_fn` (forward + backward).
 
     Returns:
       `(ms, out, implementation, note)`; `(None, None, None, why)` if none ran.
@@ -203,9 +207,9 @@ def _time_tokamax(ctx, q, k, v, **options) -> tuple[float | None, jax.Array | No
         return None, None, None, _TOKAMAX["why"]
     notes = []
     for impl in _tokamax_order():
-        fn = jax.jit(functools.partial(tk.dot_product_attention, implementation=impl, **options))
+        fn = wrap(functools.partial(tk.dot_product_attention, implementation=impl, **options))
         try:
-            jax.eval_shape(fn, q, k, v)
+            jax.eval_shape(fn, *args)
         except NotImplementedError as e:
             notes.append(f"{impl}: not implemented ({core.first_line(e)[:80]})")
             continue
@@ -213,8 +217,8 @@ def _time_tokamax(ctx, q, k, v, **options) -> tuple[float | None, jax.Array | No
             notes.append(f"{impl}: trace failed ({core.first_line(e)[:80]})")
             continue
         try:
-            out = fn(q, k, v)
-            return ctx.time(fn, q, k, v), out, impl, "; ".join(notes)
+            out = fn(*args)
+            return ctx.time(fn, *args), out, impl, "; ".join(notes)
         except Exception as e:  # compile / run failure: note it, try the next
             log.warning("tokamax %s: %s", impl, core.first_line(e))
             notes.append(f"{impl}: failed ({core.first_line(e)[:80]})")
@@ -354,9 +358,19 @@ def backward_rows(a: BackwardArgs, ctx: core.Context):
             if not gqa:
                 extra["anchor_note"] = "K/V repeated to N heads"
             break
+        tk_ms, tk_grads, tk_impl, tk_note = _time_tokamax(ctx, q, k, v, d_out, wrap=grad_fn,
+                                                          **cudnn_opts)
+        extra |= {"tokamax_ms": None if tk_ms is None else round(tk_ms, 4),
+                  "speedup_vs_tokamax": None if tk_ms is None else round(tk_ms / ms, 4),
+                  "tokamax_impl": tk_impl}
+        if tk_grads is not None:
+            extra |= {f"rel_err_d{x}_vs_tokamax": round(core.rel_err(g, r), 5)
+                      for x, g, r in zip("qkv", grads, tk_grads, strict=True)}
+        if tk_note:
+            extra["tokamax_note"] = tk_note
         if w is not None:
-            extra["anchor_note"] = (extra.get("anchor_note", "") + " cuDNN window without sinks"
-                                    ).strip()
+            extra["anchor_note"] = (extra.get("anchor_note", "")
+                                    + " cuDNN and tokamax window without sinks").strip()
         pairs = causal_pairs(b, s, n) if w is None else b * n * window_pairs(s, w, a.sink)
         flops = 4 * pairs * h  # the forward's; the backward counts 2.5x it (the FA convention)
         extra |= dict(bwd_ms=round(ms - fwd_ms, 4),
