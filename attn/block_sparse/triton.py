@@ -89,7 +89,7 @@ class Config:
     dkv_block_m: int = 64
     dkv_block_n: int = 128
     dkv_num_warps: int = 8
-    dkv_num_stages: int = 2
+    dkv_num_stages: int = 3
     # Programs with more than a fair share of the dK / dV steps cut into chunks whose partial
     # sums are added by a second kernel (`_triton_bwd.dkv_schedule`); False: never cut.
     dkv_split: bool = True
@@ -107,14 +107,14 @@ def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
     N32/K8/H128 bf16, S64K at density 0.1 7.63-7.82 ms (128 x 64 tiles or 4 stages 1-4% slower,
     warp specialisation +-0.5%); density 1.0 at 1.09-1.11x the dense flash. Backward: dQ 128
     queries x 64 keys, 8 warps, 3 stages (H100 S32K density 0.1: 2.35 ms, against 2.68 with 2
-    stages and 5.52 with 64 x 64); dK / dV 128 keys x 64 queries, 8 warps, 2 stages (5.17 ms
-    uncut, against 5.68 for 64 x 32 with 4 warps and 7.81 for 64 x 64; 36 bytes of spills), heavy
-    programs cut (the whole backward 6.88 ms, 8.08 uncut, 7.32 with 64 x 32 tiles).
-    Wide heads (> 128) take 32-key steps and 2 stages, as dense does, so the K / V stages fit in
-    shared memory. `python -m experiments.tools.sweep block_sparse_prefill` times alternatives."""
+    stages and 5.52 with 64 x 64); dK / dV 128 keys x 64 queries, 8 warps, 3 stages, heavy
+    programs cut (forward + backward 8.26 ms, against 8.55 with 2 stages, 9.60 uncut, 15.9 for
+    32 x 32 tiles over 4 warps). Wide heads (> 128) take 32-key steps and 2 stages, as dense
+    does, so the K / V stages fit in shared memory. `python -m experiments.tools.sweep
+    block_sparse_prefill` times alternatives."""
     if max(head_dim, value_head_dim or head_dim) > 128:
         return Config(block_m=128, block_n=32, num_stages=2, dq_block_m=64, dq_block_n=32,
-                      dq_num_stages=2, dkv_block_m=32, dkv_block_n=32)
+                      dq_num_stages=2, dkv_block_m=32, dkv_block_n=32, dkv_num_stages=2)
     return Config()
 
 
