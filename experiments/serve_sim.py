@@ -36,7 +36,8 @@ run per mode listed):
 
 Time is simulated from measured step times: the clock advances by each engine step's host wall
 time (dispatch to tokens on the host) and jumps over idle gaps to the next arrival, so the
-result does not depend on how busy the host is between steps. Compiles are excluded (a warm-up
+result does not depend on how busy the host is between steps (`--step-ms`: a fixed time per
+step instead, so the schedule does not depend on the host at all). Compiles are excluded (a warm-up
 request per engine runs first). Reported per configuration: throughput (generated tokens and
 requests per simulated second, first arrival to last finish), TTFT (arrival to first token) and
 TBT (between consecutive tokens of a request) percentiles, preemptions, requests running and KV
@@ -151,6 +152,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="model dtype (uniform / headwise pages use it too)")
     p.add_argument("--seed", type=int, default=0, help="arrivals and prompts")
+    p.add_argument("--step-ms", type=_positive(float), default=None,
+                   help="simulated milliseconds per engine step instead of its measured time "
+                        "(a schedule that does not depend on the host)")
     p.add_argument("--out", default="out/serve_sim", help="output directory")
     p.add_argument("--render", nargs="+", metavar="RESULTS_JSON", default=None,
                    help="write serving.{json,md,png} to --out from these runs' results.json "
@@ -288,7 +292,7 @@ def peak_pages(engine, policy, prompt_len: int, max_tokens: int) -> int:
 
 
 def simulate(engine, workload: list[Arrival], max_tokens: int, policy,
-             budget: int | None = None) -> dict:
+             budget: int | None = None, step_s: float | None = None) -> dict:
     """Run the workload on a simulated clock advanced by measured step times.
 
     Args:
@@ -298,6 +302,8 @@ def simulate(engine, workload: list[Arrival], max_tokens: int, policy,
       policy: the configuration's `Policy` (for `peak_pages`).
       budget: `bytes` admission: pages (all paged layers and heads) the running requests' peaks
         may sum to; None: `pools` admission (every arrival goes straight to the engine's queue).
+      step_s: simulated seconds every step takes instead of its measured time (the schedule is
+        then the same on any host: tests, comparisons across machines); None: measured.
 
     Returns:
       dict with per-request `arrival`, `token_times` (simulated seconds of each generated
@@ -338,7 +344,7 @@ def simulate(engine, workload: list[Arrival], max_tokens: int, policy,
             continue
         start = time.perf_counter()
         done = engine.step()
-        clock += time.perf_counter() - start
+        clock += time.perf_counter() - start if step_s is None else step_s
         steps += 1
         for i, req in reqs.items():
             new = len(req.output) - len(token_times[i])
@@ -483,7 +489,8 @@ def main(argv=None) -> dict:
             engine.generate([workload[0].prompt[:min(8, args.chunk)]],
                             SamplingParams(max_tokens=2))
             setup = time.perf_counter() - t0
-            runs[label] = simulate(engine, workload, args.max_tokens, policies[name], budget)
+            runs[label] = simulate(engine, workload, args.max_tokens, policies[name], budget,
+                                   step_s=None if args.step_ms is None else args.step_ms / 1e3)
             s = summary[label] = summarize(runs[label])
             s.update(config=name, admission=admission, setup_s=setup,
                      capacity_pages=(budget if budget is not None else
