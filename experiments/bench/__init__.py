@@ -13,6 +13,8 @@ first):
     benchmarks/gdn.{json,md}       python -m experiments.bench gdn --rows gdn_chunk_fwd_bwd,
                                    causal_conv1d_bwd --set gdn_chunk_fwd_bwd.xla_max_tokens=0
                                    (the backward rows, without the XLA reference's timing)
+    benchmarks/sparse_prefill.{json,md}  python -m experiments.bench sparse_prefill
+                                   --rows block_sparse_fwd_bwd  (the backward rows)
     benchmarks/multigpu.{json,md}  python -m experiments.bench multigpu     (4 GPUs)
     benchmarks/heads.{json,md,*.png}  python -m experiments.bench heads [-- --model GGUF]
     benchmarks/serving.{json,md,png}  python -m experiments.bench serving [-- --model GGUF]
