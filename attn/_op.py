@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from attn import _grad, _harness
@@ -127,6 +128,13 @@ def set_tuning_cache(path: str | os.PathLike | None) -> None:
     global _tuning_path
     _tuning_path = None if path is None else os.fspath(path)
     _load_cache.cache_clear()
+
+
+def dtype_tag(x) -> str:
+    """The dtype part of a tuning key: empty for 1- and 2-byte inputs (what the heuristics are
+    measured on), `-float32` for wider ones (their tiles differ)."""
+    dtype = jnp.dtype(x.dtype)
+    return f"-{dtype.name}" if dtype.itemsize > 2 else ""
 
 
 def _cache_path() -> str | None:

@@ -14,7 +14,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from attn import _checks
-from attn._op import Backend, op
+from attn._op import Backend, dtype_tag, op
 from attn.block_sparse import reference
 
 _MODES = (reference.MODE_STREAMING, reference.MODE_FULL, reference.MODE_BLOCK_SPARSE)
@@ -163,10 +163,15 @@ def _attention_xla(*, head_mask_type, sink_blocks, local_blocks, **args):
                       local_blocks=_per_head(local_blocks, n), **args)
 
 
+def _tuning_key(args) -> str:
+    return f"H{args['q'].shape[-1]}-bs{args['block_size']}{dtype_tag(args['q'])}"
+
+
 def _triton_config(args):
     from attn.block_sparse import triton
 
-    return triton.default_config(args["q"].shape[-1], args["v"].shape[-1])
+    return triton.default_config(args["q"].shape[-1], args["v"].shape[-1],
+                                 jnp.dtype(args["q"].dtype).itemsize)
 
 
 # `block_sparse_attention`'s backends, in `auto`'s order of preference on a GPU; both kernels'
@@ -179,7 +184,7 @@ _BACKENDS = (
     Backend(name="triton", run="attn.block_sparse.triton:block_sparse_attention",
             supports="attn.block_sparse.triton:supports",
             config_type="attn.block_sparse.triton:Config", default_config=_triton_config,
-            tuning_key=lambda args: f"H{args['q'].shape[-1]}-bs{args['block_size']}"),
+            tuning_key=_tuning_key),
     Backend(name="xla", run=_attention_xla, platforms=("cpu", "gpu")),
 )
 

@@ -123,7 +123,8 @@ def _block_sparse(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks
                                 interpret=interpret)
     return triton.differentiable(
         q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, lengths, lengths,
-        forward, block_size, scale, triton.default_config(q.shape[-1], v.shape[-1]))
+        forward, block_size, scale,
+        triton.default_config(q.shape[-1], v.shape[-1], q.dtype.itemsize))
 
 
 def block_sparse_attention(q, k, v, head_mask_type, block_mask=None, *, block_size=128,

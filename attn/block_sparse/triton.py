@@ -59,7 +59,7 @@ from attn import _checks
 from attn._harness import on_gpu, triton_call
 from attn._op import device_facts
 from attn.block_sparse import _triton_bwd, reference
-from attn.dense._flash_tiles import _load, _masked_softmax_step, _whole_softmax_step
+from attn.dense._flash_tiles import _load, _masked_softmax_step, _whole_softmax_step, wide_rows
 
 LOG2E = math.log2(math.e)
 _MAX_HEAD_DIM = 256
@@ -102,17 +102,18 @@ class Config:
             stages=("num_stages", "dq_num_stages", "dkv_num_stages"))
 
 
-def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
+def default_config(head_dim: int, value_head_dim: int | None = None, itemsize: int = 2) -> Config:
     """128 queries x 128 keys, 8 warps, 3 stages (224 KiB of shared memory at H = 128): H100,
     N32/K8/H128 bf16, S64K at density 0.1 7.63-7.82 ms (128 x 64 tiles or 4 stages 1-4% slower,
     warp specialisation +-0.5%); density 1.0 at 1.09-1.11x the dense flash. Backward: dQ 128
     queries x 64 keys, 8 warps, 3 stages (H100 S32K density 0.1: 2.35 ms, against 2.68 with 2
     stages and 5.52 with 64 x 64); dK / dV 128 keys x 64 queries, 8 warps, 3 stages, heavy
     programs cut (forward + backward 8.26 ms, against 8.55 with 2 stages, 9.60 uncut, 15.9 for
-    32 x 32 tiles over 4 warps). Wide heads (> 128) take 32-key steps and 2 stages, as dense
-    does, so the K / V stages fit in shared memory. `python -m experiments.tools.sweep
+    32 x 32 tiles over 4 warps). Wide rows (`dense.triton.wide_rows`: H > 128 in 16-bit types,
+    H > 64 in float32) take 32-key steps and 2 stages, as dense does, so the K / V stages fit in
+    shared memory. `python -m experiments.tools.sweep
     block_sparse_prefill` times alternatives."""
-    if max(head_dim, value_head_dim or head_dim) > 128:
+    if wide_rows(head_dim, value_head_dim, itemsize):
         return Config(block_m=128, block_n=32, num_stages=2, dq_block_m=64, dq_block_n=32,
                       dq_num_stages=2, dkv_block_m=32, dkv_block_n=32, dkv_num_stages=2)
     return Config()
@@ -489,7 +490,7 @@ def block_sparse_attention(q, k, v, head_mask_type, block_mask=None, *, block_si
     n = q.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if config is None:
-        config = default_config(q.shape[-1], v.shape[-1])
+        config = default_config(q.shape[-1], v.shape[-1], jnp.dtype(q.dtype).itemsize)
     per_head = [jnp.broadcast_to(jnp.asarray(x, jnp.int32), (n,))
                 for x in (sink_blocks, local_blocks)]
     return _block_sparse(q, k, v, jnp.asarray(head_mask_type, jnp.int32), block_mask, *per_head,

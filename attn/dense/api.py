@@ -26,7 +26,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from attn import _checks
-from attn._op import Backend, op
+from attn._op import Backend, dtype_tag, op
 from attn.dense import reference
 from attn.paged_decode.api import check_pool
 
@@ -158,7 +158,7 @@ def _attention_xla(*, q, k, v, q_segment_ids, kv_segment_ids, **args):
 
 
 def _head_dims(args) -> str:
-    return f"H{args['q'].shape[-1]}-Hv{args['v'].shape[-1]}"
+    return f"H{args['q'].shape[-1]}-Hv{args['v'].shape[-1]}{dtype_tag(args['q'])}"
 
 
 def _flash_config(module: str):
@@ -166,7 +166,9 @@ def _flash_config(module: str):
         from attn.dense import mosaic, triton
 
         h, hv = args["q"].shape[-1], args["v"].shape[-1]
-        return mosaic.default_config(h) if module == "mosaic" else triton.default_config(h, hv)
+        if module == "mosaic":
+            return mosaic.default_config(h)
+        return triton.default_config(h, hv, jnp.dtype(args["q"].dtype).itemsize)
 
     return config
 
@@ -472,14 +474,17 @@ _paged_prefill = jax.jit(reference.paged_prefill_attention)
 def _paged_prefill_config(args):
     from attn.dense import triton_paged
 
-    return triton_paged.default_config(args["q"].shape[-1], args["v_pages"].shape[-1])
+    q, v_pages = args["q"], args["v_pages"]
+    return triton_paged.default_config(q.shape[-1], v_pages.shape[-1], max(
+        jnp.dtype(q.dtype).itemsize, jnp.dtype(v_pages.dtype).itemsize))
 
 
 _PAGED_PREFILL_BACKENDS = (
     Backend(name="triton", run="attn.dense.triton_paged:paged_prefill_attention",
             supports="attn.dense.triton_paged:supports", backward=lambda args: ["no backward"],
             config_type="attn.dense.triton_paged:Config", default_config=_paged_prefill_config,
-            tuning_key=lambda args: f"H{args['q'].shape[-1]}-P{args['k_pages'].shape[2]}"),
+            tuning_key=lambda args: (f"H{args['q'].shape[-1]}-P{args['k_pages'].shape[2]}"
+                                     f"{dtype_tag(args['q'])}")),
     Backend(name="xla", run=_paged_prefill, platforms=("cpu", "gpu")),
 )
 

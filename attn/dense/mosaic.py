@@ -522,7 +522,7 @@ def _flash_bwd(causal, scale, window, sinks, config, res, cotangents):
         q, k, v, out, lse, d_out, d_lse, jnp.zeros((b,), jnp.int32),
         jnp.full((kh,), window, jnp.int32), jnp.full((kh,), sinks, jnp.int32),
         jnp.full((b,), s, jnp.int32), causal=causal, scale=scale,
-        config=dense_triton.default_config(q.shape[-1], v.shape[-1]))
+        config=dense_triton.default_config(q.shape[-1], v.shape[-1], q.dtype.itemsize))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

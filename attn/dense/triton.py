@@ -56,6 +56,7 @@ from attn.dense._flash_tiles import (
     _shapes,
     _visible,
     _whole_softmax_step,
+    wide_rows,
 )
 
 LOG2E = math.log2(math.e)
@@ -92,16 +93,17 @@ class Config:
             warps=("num_warps", "bwd_num_warps"), stages=("num_stages", "bwd_num_stages"))
 
 
-def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
+def default_config(head_dim: int, value_head_dim: int | None = None, itemsize: int = 2) -> Config:
     """Tiles for Hopper bf16 at H <= 128: forward 128 rows x 128 keys, 8 warps, 3 stages, the
     unmasked key loop warp-specialised (H100, causal N32/K8 H128 S16K: 4.09 ms, 0.91x cuDNN;
     128 x 64 tiles unspecialised 4.53 ms). Backward: dQ 128 rows x 64 keys a step, dK / dV 128
     keys x 64 rows a step, 8 warps, 3 stages (causal N32/K8 H128 S8K: 3.58 ms, 538 TFLOP/s of
-    the 7 matmuls a score tile it runs; 4 warps spill). Wide heads (> 128) take 32-key tiles
-    and 2 stages, unspecialised, so the K/V stages fit in shared memory.
+    the 7 matmuls a score tile it runs; 4 warps spill). Wide rows (over 256 bytes, `itemsize`
+    the inputs' element size: H > 128 in bf16 / f16, H > 64 in float32) take 32-key tiles and 2
+    stages, unspecialised, so the K/V stages fit in shared memory (at H128 float32 the 16-bit
+    tiles need 289-448 KiB of the H100's 227).
     `python -m experiments.tools.sweep flash_prefill` (`flash_prefill_bwd`) times alternatives."""
-    width = max(head_dim, value_head_dim or head_dim)
-    if width > 128:
+    if wide_rows(head_dim, value_head_dim, itemsize):
         return Config(block_m=128, block_n=32, num_warps=8, num_stages=2, dkv_block_m=32,
                       dkv_block_n=32, dq_block_m=32, dq_block_n=32, bwd_num_stages=2,
                       warp_specialize=False)
@@ -367,7 +369,7 @@ def attention(q, k, v, *, causal=True, scale=None, q_offset=0, window=None, sink
     h, hv = q.shape[-1], v.shape[-1]
     scale = h**-0.5 if scale is None else scale
     if config is None:
-        config = default_config(h, hv)
+        config = default_config(h, hv, jnp.dtype(q.dtype).itemsize)
     window = 0 if window is None or not causal else window
     kv_lengths = k.shape[1] if kv_lengths is None else kv_lengths
     return _attention(q, k, v, q_offset, window, sinks, kv_lengths,

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from attn import _checks
 from attn._harness import triton_call
-from attn.dense._flash_tiles import _key_tiles, _masked_softmax_step, _visible
+from attn.dense._flash_tiles import _key_tiles, _masked_softmax_step, _visible, wide_rows
 
 LOG2E = math.log2(math.e)
 _MAX_HEAD_DIM = 256
@@ -74,13 +74,14 @@ class Config:
         return self.page_tiles and page_size % self.block_n == 0
 
 
-def default_config(head_dim: int, value_head_dim: int | None = None) -> Config:
+def default_config(head_dim: int, value_head_dim: int | None = None, itemsize: int = 2) -> Config:
     """The dense forward's Hopper tiles (128 rows x 64 keys, 8 warps, 3 stages) for page tiles
     (ptxas for sm_90a at H = 128, P = 64: 215 registers, no spills, 128 KiB shared), 2 stages
-    on the gather path (pages under 64 tokens). Wide heads (> 128) take 32-key tiles and 2 stages
-    so the K/V stages fit in shared memory. `python -m experiments.tools.sweep paged_prefill`
+    on the gather path (pages under 64 tokens). Wide rows (`dense.triton.wide_rows`: H > 128 in
+    16-bit types, H > 64 in float32) take 32-key tiles and 2 stages so the K/V stages fit in
+    shared memory. `python -m experiments.tools.sweep paged_prefill`
     times alternatives (`python -m experiments.bench prefill --rows paged_prefill`: this one)."""
-    if max(head_dim, value_head_dim or head_dim) > 128:
+    if wide_rows(head_dim, value_head_dim, itemsize):
         return Config(block_m=128, block_n=32, num_warps=8, num_stages=2)
     return Config()
 
@@ -364,6 +365,7 @@ def paged_prefill_attention(q, k_pages, v_pages, block_tables, q_offset, kv_leng
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if config is None:
-        config = default_config(q.shape[-1], v_pages.shape[-1])
+        config = default_config(q.shape[-1], v_pages.shape[-1],
+                                max(jnp.dtype(q.dtype).itemsize, jnp.dtype(v_pages.dtype).itemsize))
     return _paged_prefill(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sinks,
                           k_scales, v_scales, scale=scale, config=config)

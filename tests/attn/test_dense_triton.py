@@ -104,6 +104,24 @@ def test_bf16_default_config():
            window=np.array([40, 0], np.int32), sinks=np.array([4, 0], np.int32))
 
 
+def test_wide_rows_take_the_small_tiles():
+    """Rows over 256 bytes (H > 128 in bf16, H > 64 in float32) take the 32-key, 2-stage tiles
+    in every Triton kernel of the family; the op's default follows its inputs' dtype."""
+    from attn.block_sparse import triton as sparse_triton
+    from attn.dense import api, triton_paged
+
+    for module in (kernel, triton_paged, sparse_triton):
+        assert module.default_config(128, 128, 2).block_n > 32, module.__name__
+        for h, itemsize in ((256, 2), (128, 4), (96, 4)):
+            assert module.default_config(h, h, itemsize).block_n == 32, (module.__name__, h)
+        assert module.default_config(64, 64, 4) == module.default_config(64, 64, 2)
+    q = jnp.zeros((1, 8, 2, 128), jnp.float32)
+    args = dict(q=q, v=q)
+    assert api._flash_config("triton")(args) == kernel.default_config(128, 128, 4)
+    assert api._head_dims(args) == "H128-Hv128-float32"
+    assert api._head_dims(dict(q=q.astype(jnp.bfloat16), v=q)) == "H128-Hv128"
+
+
 def test_public_api_dispatch_and_auto_fallback(monkeypatch):
     q, k, v = _qkv(rng(), b=1, t=9, s=12, kh=1, g=3, h=16, hv=16)
     out, lse = attention(q, k, v, q_offset=3, implementation="triton")
@@ -172,14 +190,14 @@ def test_unsupported_and_config_validation():
         kernel.Config(num_stages=0)
 
 
-def _sm90_jobs():
-    """The forward and both backward kernels at their default tiles, B1 S8K N32 / K8 H128 causal
-    (`compile_for_sm90` jobs)."""
+def _sm90_jobs(cfg=None, dtype="bf16"):
+    """The forward and both backward kernels at `cfg` (default: the bf16 default tiles), B1 S8K
+    N32 / K8 H128 causal, `dtype` inputs (`compile_for_sm90` jobs)."""
     from attn.dense import _flash_bwd as kb
 
-    cfg = kernel.default_config(128)
+    cfg = cfg or kernel.default_config(128)
     dims = dict(B=1, T=8192, S=8192, K=8, G=4, H=128, HV=128, BLOCK_H=128, BLOCK_HV=128,
-                PRECISION="tf32", CAUSAL=True)
+                PRECISION="ieee" if dtype == "fp32" else "tf32", CAUSAL=True)
     fwd = dict(SCALE_LOG2=0.13, NUM_M=-(-8192 * 4 // cfg.block_m), BLOCK_M=cfg.block_m,
                BLOCK_N=cfg.block_n, CAP=0.0)
     dq = dict(SCALE=0.09, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
@@ -197,10 +215,18 @@ def _sm90_jobs():
         for n in fn.arg_names:
             if n not in consts:
                 pointers[n] = ("*i32" if n.startswith(("offset", "len", "window", "sink"))
-                               else "*fp32" if n.startswith(("lse", "delta")) else "*bf16")
+                               else "*fp32" if n.startswith(("lse", "delta")) else f"*{dtype}")
         jobs.append(dict(kernel=f"{module}:{fn.__name__}", constexprs=consts, pointers=pointers,
                          num_warps=warps, num_stages=stages, count=("wgmma.mma_async",)))
     return jobs
+
+
+@pytest.mark.slow
+def test_float32_default_tiles_fit_shared_memory():
+    """float32 at H128 (FMA dots, big rows): the default tiles of the three kernels fit in an
+    H100's 227 KiB of shared memory per block (the 16-bit tiles need 289-448 KiB)."""
+    for r in compile_for_sm90(_sm90_jobs(kernel.default_config(128, 128, 4), "fp32")):
+        assert r["shared"] <= 227 * 1024, r
 
 
 @pytest.mark.slow
@@ -255,6 +281,25 @@ def _gpu_check(shape, options, config=None):
 @pytest.mark.parametrize("name", list(GPU_CASES))
 def test_gpu_matches_reference(name):
     _gpu_check(*GPU_CASES[name])
+
+
+@pytest.mark.gpu
+def test_gpu_float32_head_dim_128_forward_and_backward():
+    """float32 inputs at H128 through `attention(implementation="auto")` (the Triton kernels at
+    their float32 tiles): out and every gradient close to the XLA reference's."""
+    q, k, v = _qkv(rng(), b=1, t=1000, s=1000, kh=4, g=4, h=128, hv=128, dtype=jnp.float32)
+    d_out = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
+
+    def loss(impl):
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(
+            attention(q, k, v, implementation=impl, window=300, sinks=8)[0] * d_out),
+            argnums=(0, 1, 2)))
+
+    (got, grads), (exp, exp_grads) = loss("auto")(q, k, v), loss("xla")(q, k, v)
+    np.testing.assert_allclose(got, exp, rtol=1e-4)
+    for name, g, e in zip("qkv", grads, exp_grads, strict=True):
+        err = float(jnp.linalg.norm(g - e) / jnp.linalg.norm(e))
+        assert err < 1e-4, f"d{name}: relative error {err:.2e}"
 
 
 @pytest.mark.gpu
