@@ -8,8 +8,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
 os.environ.setdefault("JAX_ENABLE_X64", "0")
 os.environ.setdefault("HOME", os.environ.get("HOME") or "/tmp")
 # Without a CUDA plugin every test runs on the CPU at tiny shapes, where XLA's compiling costs far
-# more than running: its cheap compile mode (inherited by the workers, notebook kernels and
-# scripts the tests start) takes about a fifth off the suite. GPU runs keep full optimisation.
+# more than running: its cheap compile mode (inherited by the workers and scripts the tests
+# start; the notebooks, real-sized, opt out) takes about a fifth off the suite. GPU runs keep
+# full optimisation.
 if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
