@@ -37,11 +37,11 @@ run per mode listed):
 Time is simulated from measured step times: the clock advances by each engine step's host wall
 time (dispatch to tokens on the host) and jumps over idle gaps to the next arrival, so the
 result does not depend on how busy the host is between steps (`--step-ms`: a fixed time per
-step instead, so the schedule does not depend on the host at all). Compiles are excluded (a warm-up
-request per engine runs first). Reported per configuration: throughput (generated tokens and
-requests per simulated second, first arrival to last finish), TTFT (arrival to first token) and
-TBT (between consecutive tokens of a request) percentiles, preemptions, requests running and KV
-pages in use over time (all paged layers and heads, host page accounting). Writes
+step instead, so the schedule does not depend on the host at all). Compiles are excluded (a
+warm-up request per engine runs first). Reported per configuration: throughput (generated
+tokens and requests per simulated second, first arrival to last finish), TTFT (arrival to first
+token) and TBT (between consecutive tokens of a request) percentiles, preemptions, requests
+running and KV pages in use over time (all paged layers and heads, host page accounting). Writes
 `results.json` and `serve_sim.png` to `--out`; `--render` turns the `results.json` of several
 runs into `serving.{json,md,png}` in `--out` (the benchmark table, uniform as each row's anchor).
 

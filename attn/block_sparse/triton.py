@@ -109,10 +109,10 @@ def default_config(head_dim: int, value_head_dim: int | None = None, itemsize: i
     queries x 64 keys, 8 warps, 3 stages (H100 S32K density 0.1: 2.35 ms, against 2.68 with 2
     stages and 5.52 with 64 x 64); dK / dV 128 keys x 64 queries, 8 warps, 3 stages, heavy
     programs cut (forward + backward 8.26 ms, against 8.55 with 2 stages, 9.60 uncut, 15.9 for
-    32 x 32 tiles over 4 warps). Wide rows (`dense.triton.wide_rows`: H > 128 in 16-bit types,
-    H > 64 in float32) take 32-key steps and 2 stages, as dense does, so the K / V stages fit in
-    shared memory. `python -m experiments.tools.sweep
-    block_sparse_prefill` times alternatives."""
+    32 x 32 tiles over 4 warps). Wide rows (`dense._flash_tiles.wide_rows`: H > 128 in 16-bit
+    types, H > 64 in float32) take 32-key steps and 2 stages, as dense does, so the K / V stages
+    fit in shared memory. `python -m experiments.tools.sweep block_sparse_prefill` times
+    alternatives."""
     if wide_rows(head_dim, value_head_dim, itemsize):
         return Config(block_m=128, block_n=32, num_stages=2, dq_block_m=64, dq_block_n=32,
                       dq_num_stages=2, dkv_block_m=32, dkv_block_n=32, dkv_num_stages=2)

@@ -474,9 +474,7 @@ _paged_prefill = jax.jit(reference.paged_prefill_attention)
 def _paged_prefill_config(args):
     from attn.dense import triton_paged
 
-    q, v_pages = args["q"], args["v_pages"]
-    return triton_paged.default_config(q.shape[-1], v_pages.shape[-1], max(
-        jnp.dtype(q.dtype).itemsize, jnp.dtype(v_pages.dtype).itemsize))
+    return triton_paged.config_for(args["q"], args["v_pages"])
 
 
 _PAGED_PREFILL_BACKENDS = (

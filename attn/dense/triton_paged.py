@@ -77,13 +77,21 @@ class Config:
 def default_config(head_dim: int, value_head_dim: int | None = None, itemsize: int = 2) -> Config:
     """The dense forward's Hopper tiles (128 rows x 64 keys, 8 warps, 3 stages) for page tiles
     (ptxas for sm_90a at H = 128, P = 64: 215 registers, no spills, 128 KiB shared), 2 stages
-    on the gather path (pages under 64 tokens). Wide rows (`dense.triton.wide_rows`: H > 128 in
-    16-bit types, H > 64 in float32) take 32-key tiles and 2 stages so the K/V stages fit in
-    shared memory. `python -m experiments.tools.sweep paged_prefill`
-    times alternatives (`python -m experiments.bench prefill --rows paged_prefill`: this one)."""
+    on the gather path (pages under 64 tokens). Wide rows (`dense._flash_tiles.wide_rows`:
+    H > 128 in 16-bit types, H > 64 in float32, the wider of q's and the pages' elements) take
+    32-key tiles and 2 stages so the K/V stages fit in shared memory. `python -m
+    experiments.tools.sweep paged_prefill` times alternatives (`python -m experiments.bench
+    prefill --rows paged_prefill`: this one)."""
     if wide_rows(head_dim, value_head_dim, itemsize):
         return Config(block_m=128, block_n=32, num_warps=8, num_stages=2)
     return Config()
+
+
+def config_for(q, v_pages) -> Config:
+    """`default_config` at `q [B, T, N, H]` and `v_pages [K, pages, P, Hv]`: their head dims and
+    the wider of their element sizes."""
+    itemsize = max(jnp.dtype(q.dtype).itemsize, jnp.dtype(v_pages.dtype).itemsize)
+    return default_config(q.shape[-1], v_pages.shape[-1], itemsize)
 
 
 @triton.jit
@@ -365,7 +373,6 @@ def paged_prefill_attention(q, k_pages, v_pages, block_tables, q_offset, kv_leng
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if config is None:
-        config = default_config(q.shape[-1], v_pages.shape[-1],
-                                max(jnp.dtype(q.dtype).itemsize, jnp.dtype(v_pages.dtype).itemsize))
+        config = config_for(q, v_pages)
     return _paged_prefill(q, k_pages, v_pages, block_tables, q_offset, kv_lengths, window, sinks,
                           k_scales, v_scales, scale=scale, config=config)

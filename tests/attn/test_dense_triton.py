@@ -120,6 +120,9 @@ def test_wide_rows_take_the_small_tiles():
     assert api._flash_config("triton")(args) == kernel.default_config(128, 128, 4)
     assert api._head_dims(args) == "H128-Hv128-float32"
     assert api._head_dims(dict(q=q.astype(jnp.bfloat16), v=q)) == "H128-Hv128"
+    pages = jnp.zeros((2, 4, 16, 128), jnp.bfloat16)  # paged prefill: the wider element counts
+    assert triton_paged.config_for(q, pages) == triton_paged.default_config(128, 128, 4)
+    assert triton_paged.config_for(q.astype(jnp.bfloat16), pages) == triton_paged.Config()
 
 
 def test_public_api_dispatch_and_auto_fallback(monkeypatch):
