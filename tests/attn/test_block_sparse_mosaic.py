@@ -16,7 +16,7 @@ from tests.utils import AttentionTestBase, assert_close, rng
 class TestMosaic(BlockSparseTests):
     """The interpreted kernel (`Config(interpret=True)`) under the shared base: its float32 and
     ragged cases are refused with the kernel's reasons (the interpreter itself runs in
-    `test_interpreted_kernel_matches_reference`, `-m slow`)."""
+    `test_interpreted_kernel_matches_reference`)."""
 
     implementation = "mosaic"
     config = kernel.Config(interpret=True)
@@ -43,11 +43,7 @@ def test_refusals_name_the_value(shape, options, match):
                                **options)
 
 
-# `slow`: the Mosaic GPU interpreter runs each warp group as a compiled computation that
-# blocks in barrier callbacks; on a 2-core machine XLA's CPU thread pool can starve and the
-# test can hang. Run it with `-m slow` on a machine with more cores; the compiled
-# kernel is covered on the GPU (`-m gpu`).
-@pytest.mark.slow
+# (The interpreter needs a CPU thread per warp group: tests/conftest.py sets NPROC.)
 def test_interpreted_kernel_matches_reference():
     """Pallas's Mosaic GPU interpreter on the CPU: every mode, an empty list row and the
     diagonal's masked step (blocks of 128: two query tiles of two heads)."""

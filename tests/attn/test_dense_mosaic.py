@@ -127,11 +127,7 @@ INTERPRET_CASES = {
 }
 
 
-# `slow`: the Mosaic GPU interpreter runs each warp group as a compiled computation that
-# blocks in barrier callbacks; on a 2-core machine XLA's CPU thread pool can starve and the
-# test can hang. Run it with `-m slow` on a machine with more cores; the compiled
-# kernel is covered on the GPU (`-m gpu`).
-@pytest.mark.slow
+# (The interpreter needs a CPU thread per warp group: tests/conftest.py sets NPROC.)
 @pytest.mark.parametrize("case", list(INTERPRET_CASES))
 def test_interpreted_kernel_matches_reference(case):
     dims, options, config = INTERPRET_CASES[case]

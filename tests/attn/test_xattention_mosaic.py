@@ -92,11 +92,7 @@ def test_shared_memory_is_the_devices():
 
 # (A last row tile running past T / st, e.g. T = 3072, is left to the GPU tests: TMA fills its
 # rows with zeros there, the interpreter's copies fail out of bounds.)
-# `slow`: the Mosaic GPU interpreter runs each warp group as a compiled computation that
-# blocks in barrier callbacks; on a 2-core machine XLA's CPU thread pool can starve and the
-# test can hang. Run it with `-m slow` on a machine with more cores; the compiled
-# kernel is covered on the GPU (`-m gpu`).
-@pytest.mark.slow
+# (The interpreter needs a CPU thread per warp group: tests/conftest.py sets NPROC.)
 @pytest.mark.parametrize("t,s,block_c,programs", [
     # Keys ahead of the queries (128 reduced columns); one tile a pair, one program walking both
     # pairs' tiles through one ring of slots.
