@@ -3,7 +3,7 @@
 import importlib.util
 import os
 
-# Deterministic reductions on the GPU; on the CPU one thread per op keeps 2-core CI responsive.
+# Deterministic reductions on the GPU.
 os.environ.setdefault("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
 os.environ.setdefault("JAX_ENABLE_X64", "0")
 os.environ.setdefault("HOME", os.environ.get("HOME") or "/tmp")
@@ -13,10 +13,8 @@ os.environ.setdefault("HOME", os.environ.get("HOME") or "/tmp")
 # full optimisation.
 if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-# Pallas's Mosaic GPU interpreter runs each warp group of a program as its own XLA computation,
-# all blocked in barrier callbacks at once beside the caller's: with XLA's CPU thread pool sized
-# to the cores (2 in CI) a three-warp-group kernel never gets its third and hangs. XLA sizes the
-# pool from NPROC when it is set.
+# Pallas's Mosaic GPU interpreter needs 4 threads in XLA's CPU pool, which XLA sizes from NPROC
+# (else the cores: 2 in CI); see `attn.dense.mosaic.xla_cpu_threads`.
 os.environ.setdefault("NPROC", "4")
 
 import jax

@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Callable
 
 import jax
@@ -86,6 +87,7 @@ class Config:
     # Run in Pallas's Mosaic GPU interpreter (on the CPU: the tests), not compiled. The two
     # wgmmas become `jnp` products of the same shared-memory tiles there (the interpreter has no
     # transposed-ref wgmma nor `run_state`); the schedule, barriers and copies are the kernel's.
+    # Needs 4 threads in XLA's CPU pool (`xla_cpu_threads`; NPROC=4 on smaller hosts).
     interpret: bool = False
 
     def __post_init__(self):
@@ -175,9 +177,33 @@ class Plan:
     visible: Callable
 
 
+# The interpreter runs each of a program's three warp groups as its own XLA computation, blocked
+# in barrier callbacks while the caller's waits too: XLA's CPU thread pool must hold all four.
+_INTERPRETER_THREADS = 4
+
+
+def xla_cpu_threads() -> tuple[int, str]:
+    """XLA's CPU thread-pool size and where it comes from (`PJRT_NPROC` / `NPROC` when set, else
+    the core count), as XLA sizes it when jax starts."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name]), f"{name}={os.environ[name]}"
+    return os.cpu_count() or 1, f"{os.cpu_count()} cores, NPROC unset"
+
+
 def _interpret_params():
-    """The interpreter's parameters (exported as `plgpu.InterpretGPUParams` from jax 0.11)."""
+    """The interpreter's parameters (exported as `plgpu.InterpretGPUParams` from jax 0.11).
+    Raises RuntimeError where XLA's CPU pool is too small for the warp groups: they would wait
+    for each other forever."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    threads, source = xla_cpu_threads()
+    if threads < _INTERPRETER_THREADS:
+        raise RuntimeError(
+            f"Config(interpret=True): XLA's CPU thread pool has {threads} threads ({source}); "
+            f"the Mosaic GPU interpreter needs {_INTERPRETER_THREADS} (three warp groups and the "
+            f"caller, all blocking) or it hangs. Set NPROC={_INTERPRETER_THREADS} in the "
+            f"environment before jax starts.")
 
     params = getattr(plgpu, "InterpretGPUParams", None)
     if params is None:

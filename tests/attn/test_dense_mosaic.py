@@ -107,6 +107,20 @@ def test_config_validation():
         mosaic.Config(stages=1)
 
 
+def test_interpreter_refuses_a_thread_pool_it_would_hang_in(monkeypatch):
+    """Fewer than 4 XLA CPU threads: a clear error naming the count and its source, not a hang."""
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setenv("NPROC", "2")
+    with pytest.raises(RuntimeError, match=r"has 2 threads \(NPROC=2\).*NPROC=4"):
+        mosaic._interpret_params()
+    monkeypatch.delenv("NPROC")
+    monkeypatch.setattr(mosaic.os, "cpu_count", lambda: 2)
+    assert mosaic.xla_cpu_threads() == (2, "2 cores, NPROC unset")
+    monkeypatch.setenv("NPROC", "4")
+    assert mosaic.xla_cpu_threads() == (4, "NPROC=4")
+    mosaic._interpret_params()
+
+
 def test_window_sinks_become_static():
     assert mosaic.static_window_sinks(True, np.array([64, 64]), np.array([8, 8]), 2) == (64, 8)
     assert mosaic.static_window_sinks(True, 0, 8, 2) == (0, 0)
