@@ -43,7 +43,9 @@ stored `[B, N, T]` (1-D TMA stores of `block_q` rows) and transposed outside.
 Supports: causal with `T == S` and no offset, or non-causal; `window` / `sinks` as Python ints
 or concrete arrays equal across KV heads; `H == Hv` in {64, 128}; bf16 / f16; `T` a multiple of
 `2 * block_q` and `S` of `block_kv`. `supports` lists what else it refuses (the public op then
-runs the Triton kernel). Gradients: the Triton backward kernels, from this forward's out and lse.
+runs the Triton kernel). Gradients, from this forward's out and lse: the fused Mosaic GPU
+backward (`attn/dense/mosaic_bwd.py`) at `H == 128`, else the Triton backward kernels
+(`fused_backward_reasons` says which and why).
 Compiles for a Hopper GPU (`pytest -m gpu` checks it against the reference); on the CPU it runs in
 Pallas's Mosaic GPU interpreter with `Config(interpret=True)` (the CPU tests: the schedule,
 barriers, copies and masks as compiled, the two products as `jnp` products of the same
@@ -68,6 +70,7 @@ from jax import lax
 
 from attn import _checks
 from attn._harness import on_gpu
+from attn.dense import mosaic_bwd
 from attn.dense import triton as dense_triton
 
 LOG2E = math.log2(math.e)
@@ -84,6 +87,9 @@ class Config:
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
+    # Gradients from the one-kernel Mosaic GPU backward (`attn/dense/mosaic_bwd.py`) where it
+    # runs (`fused_backward_reasons` empty), else from the Triton backward kernels.
+    fused_backward: bool = True
     # Run in Pallas's Mosaic GPU interpreter (on the CPU: the tests), not compiled. The two
     # wgmmas become `jnp` products of the same shared-memory tiles there (the interpreter has no
     # transposed-ref wgmma nor `run_state`); the schedule, barriers and copies are the kernel's.
@@ -540,9 +546,27 @@ def _flash_fwd(q, k, v, causal, scale, window, sinks, config):
     return (out, lse), (q, k, v, out, lse)
 
 
+def fused_backward_reasons(q_shape, k_shape, config: Config) -> list[str]:
+    """Why `_flash_bwd` takes the Triton backward for these shapes (empty: the fused one)."""
+    (_, t, _, h), s = q_shape, k_shape[1]
+    reasons = [] if config.fused_backward else ["Config(fused_backward=False)"]
+    if h != 128:
+        reasons.append(f"H={h}: the fused backward splits dQ's head dim in two 64-column halves "
+                       f"(H == 128 only)")
+    keys = 2 * mosaic_bwd.Config().block_kv
+    if s % keys or t % mosaic_bwd.Config().block_q:
+        reasons.append(f"S={s} must be a multiple of {keys} and T={t} of "
+                       f"{mosaic_bwd.Config().block_q}")
+    return reasons
+
+
 def _flash_bwd(causal, scale, window, sinks, config, res, cotangents):
     q, k, v, out, lse = res
     d_out, d_lse = cotangents
+    if not fused_backward_reasons(q.shape, k.shape, config):
+        return mosaic_bwd.backward(q, k, v, out, lse, d_out, d_lse, causal=causal, scale=scale,
+                                   window=window, sinks=sinks,
+                                   config=mosaic_bwd.Config(interpret=config.interpret))
     b, s, kh = q.shape[0], k.shape[1], k.shape[2]
     return dense_triton._backward(
         q, k, v, out, lse, d_out, d_lse, jnp.zeros((b,), jnp.int32),

@@ -1,0 +1,362 @@
+"""Mosaic GPU flash backward (Pallas, Hopper): dQ, dK and dV in one kernel (FlashAttention-3's
+design), for the cases the Mosaic forward (`attn/dense/mosaic.py`) runs at `H == 128`.
+
+Why one kernel: the Triton backward (`attn/dense/_flash_bwd.py`) runs a dQ kernel and a dK / dV
+kernel, which recompute `S = Q Kᵀ` and `dP = dO Vᵀ` twice: 7 tile products per (query tile, key
+tile) pair against 5 here. The price of the fused form is that dQ is summed across programs:
+every step's partial dQ goes from shared memory to a float32 accumulator in global memory by a
+TMA reduce-add (one bulk operation per tile, done in L2), which the Triton route through
+jax-triton cannot express (its per-element atomics were slower than the second kernel).
+
+Programs: one per (key tile of `2 * block_kv` keys, KV head, request), key tiles fastest (the
+programs running together read the same queries while they are in L2). Two warp groups, each
+owning `block_kv` keys: their K / V rows stay in shared memory and their dK / dV accumulate in
+registers over every query tile of every query head of the KV head (the heads of a group sum in
+registers: no dK / dV reduction afterwards). The query tiles (Q, dO and the rows' `lse`,
+`delta`) stream through a ring of `stages` shared-memory slots; group 0 issues their TMA copies.
+
+Why two warp groups and no copy-only one (the forward's layout): ptxas allocates registers for
+the launch's thread count, not for what `setmaxnreg` grants later, so with three groups the
+compute code is compiled into 168 registers. dK and dV alone take 128 of them; the rest spilled
+and the wgmmas were serialised. With two groups there are 255 per thread.
+
+A step, per group (keys `k`, the step's `block_q` query rows `q`; transposed products keep the
+keys on the wgmma's M side, so dK / dV accumulate in the wgmma layout):
+
+    Sᵀ = K Qᵀ,  dPᵀ = V dOᵀ                     (issued together)
+    Pᵀ = exp2(Sᵀ · scale · log2 e - lse₂)        (while dPᵀ runs)
+    dV += Pᵀ dO                                  (Pᵀ from registers; runs while dSᵀ is computed)
+    dSᵀ = Pᵀ ∘ (dPᵀ - delta) -> shared memory; both groups meet
+    dK += dSᵀ Q,  dQ[:, half] = dS K[:, half]    (each group one half of the head dim)
+    dQ half -> shared memory -> TMA reduce-add into the float32 dQ
+
+dK / dV live in wgmma accumulators across the whole walk (one `run_state`), so no step waits for
+the previous step's products except through the ring. `delta = rowsum(dO ∘ O) - dlse` (the lse
+cotangent folds in there) and `lse₂` are computed before the kernel in XLA, and `dQ · scale` is
+cast after it. Steps are *whole* (every pair visible: no mask) or *masked* (the causal diagonal,
+the window's far edge, sink tiles: the token rule, with `dS` selected rather than multiplied so a
+masked NaN reaches no gradient); `query_ranges` computes them and is checked on the CPU against
+brute-force visibility.
+
+On the CPU the kernel runs in Pallas's Mosaic GPU interpreter (`Config(interpret=True)`): the
+products become `jnp` products of the same shared-memory tiles, and the interpreter has no TMA
+reduction, so each program stores its partial dQ tiles into its own slice of a
+`[key tiles, B, T, N, H]` buffer that is summed afterwards (small shapes only).
+
+Speed (H100, causal N32 / K8 H128 bf16, fwd + bwd with the Mosaic forward,
+benchmarks/prefill.json): 0.96-0.98x cuDNN at S8K-32K, 1.1-1.2x the Triton backward's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """`block_q` query rows a step, `block_kv` keys per warp group (a program owns
+    `2 * block_kv`), `stages` query-tile slots in shared memory."""
+
+    block_q: int = 64
+    block_kv: int = 64
+    stages: int = 2
+    interpret: bool = False
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv"):
+            if getattr(self, name) != 64:
+                raise ValueError(f"{name}={getattr(self, name)} must be 64 (one wgmma M)")
+        if self.stages < 2:
+            raise ValueError(f"stages={self.stages} must be >= 2 (one slot loads while one "
+                             f"is read)")
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def query_ranges(k0, keys: int, *, block_q: int, q_len: int, causal: bool, window: int,
+                 sinks: int):
+    """Query tiles (`block_q` rows) that see any of the keys `[k0, k0 + keys)`: `(lo, full_lo,
+    full_hi, hi)`, of which `[full_lo, full_hi)` see all of them whole and the rest partly (or
+    not at all: masked steps). `k0` may be traced. Causal assumes queries at positions
+    `0..q_len-1` (no offset)."""
+    num_tiles = q_len // block_q
+    if not causal:
+        return 0, 0, num_tiles, num_tiles
+    last = k0 + keys - 1
+    lo = jnp.minimum(k0 // block_q, num_tiles)
+    full_lo = jnp.clip(_cdiv(last, block_q), lo, num_tiles)  # first tile with every row >= last
+    if window <= 0:
+        return lo, full_lo, num_tiles, num_tiles
+    # Rows up to `key + window - 1` see a non-sink key; sink keys stay visible to every row.
+    hi = jnp.where(k0 < sinks, num_tiles,
+                   jnp.clip((last + window - 1) // block_q + 1, lo, num_tiles))
+    full_lo = jnp.minimum(full_lo, hi)
+    # Whole while the tile's last row still sees the first key: `row - window < k0`.
+    window_hi = jnp.clip(_cdiv(k0 + window - block_q + 1, block_q), full_lo, hi)
+    full_hi = jnp.where(last < sinks, hi, jnp.where(k0 < sinks, full_lo, window_hi))
+    return lo, full_lo, full_hi, hi
+
+
+def _transposed(plgpu, ref):
+    if hasattr(ref, "transpose"):
+        return ref.transpose((1, 0))
+    return plgpu.transpose_ref(ref, (1, 0))
+
+
+def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, window: int,
+             sinks: int, config: Config):
+    """`(dq, dk, dv)` of the Mosaic forward's `(out, lse)` with cotangents `(d_out, d_lse)`;
+    shapes as `attn.dense.mosaic.attention` accepts them, `H == 128`, `T` a multiple of
+    `block_q` and `S` of `2 * block_kv`."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from attn.dense.mosaic import _interpret_params
+
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    bq, bkv, stages = config.block_q, config.block_kv, config.stages
+    keys, half = 2 * bkv, h // 2
+    num_q, num_kv = t // bq, s // keys
+    dtype = q.dtype
+    scale_log2 = scale * LOG2E
+    interpret = _interpret_params() if config.interpret else None
+    ranges = functools.partial(query_ranges, block_q=bq, q_len=t, causal=causal, window=window,
+                               sinks=sinks)
+
+    # Row statistics, one [2, block_q] tile per (request, head, query tile): the base-2 lse of
+    # the scaled scores (+inf for a row that sees nothing: P = 0) and delta.
+    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - jnp.swapaxes(d_lse, 1, 2)
+    lse2 = jnp.swapaxes(jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf), 1, 2)
+    stats = jnp.stack([lse2.reshape(b, n, num_q, bq), delta.reshape(b, n, num_q, bq)], axis=3)
+
+    if interpret is None:
+        def iota(shape, dim):
+            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+        def row_vector(ref):  # [block_q] laid out along the wgmma tile's columns
+            return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+
+        def zero_grads():
+            return plgpu.layout_cast(jnp.zeros((bkv, h), jnp.float32), plgpu.Layout.WGMMA)
+    else:
+        def iota(shape, dim):
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+        def row_vector(ref):
+            return ref[...]
+
+        def zero_grads():
+            return jnp.zeros((bkv, h), jnp.float32)
+
+    def visible(pos, key):
+        vis = key <= pos if causal else key >= 0
+        if window > 0:
+            vis &= (key > pos - window) | (key < sinks)
+        return vis
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_ref, scoped):
+        ((k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem),
+         (k_ready, v_ready, q_ready, do_ready, stats_ready), ds_ready, done) = scoped
+        wg = lax.axis_index("wg")
+        tile = lax.axis_index("kv_seq")
+        kv_head, bi = lax.axis_index("kv_heads"), lax.axis_index("batch")
+        k0 = tile * keys
+        kw0 = k0 + wg * bkv
+        lo, full_lo, full_hi, hi = ranges(k0, keys)
+        total = g * (hi - lo)  # steps: every query tile that sees the keys, head by head
+
+        def head_and_tile(step):
+            return kv_head * g + step // (hi - lo), lo + lax.rem(step, hi - lo)
+
+        def load(step):  # a step's query tile into its slot (group 0 issues it)
+            head, qt = head_and_tile(step)
+            slot, rows = lax.rem(step, stages), pl.ds(qt * bq, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], q_smem.at[slot], q_ready.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, head], do_smem.at[slot],
+                                    do_ready.at[slot])
+            plgpu.copy_gmem_to_smem(stats_ref.at[bi, head, qt], stats_smem.at[slot],
+                                    stats_ready.at[slot])
+
+        k_rows = k_smem.at[pl.ds(wg * bkv, bkv)]
+        v_rows = v_smem.at[pl.ds(wg * bkv, bkv)]
+        # Both groups load their own rows; the dQ product reads the other group's too.
+        plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(kw0, bkv), kv_head], k_rows, k_ready.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[bi, pl.ds(kw0, bkv), kv_head], v_rows, v_ready.at[wg])
+
+        @pl.when(wg == 0)
+        def _():
+            for i in range(stages):
+                pl.when(i < total)(functools.partial(load, i))
+
+        k_half = k_smem.at[:, pl.ds(wg * half, half)]
+        dq_tile = dq_smem.at[wg]
+
+        def probabilities(st, slot, qt, masked):
+            plgpu.barrier_wait(stats_ready.at[slot])
+            lse = row_vector(stats_smem.at[slot, 0])
+            pt = jnp.exp2(st * scale_log2 - lax.broadcast_in_dim(lse, st.shape, [1]))
+            if masked:  # selected, not multiplied: P = 0 times a NaN would leak
+                vis = visible(qt * bq + iota(st.shape, 1), kw0 + iota(st.shape, 0))
+                pt = jnp.where(vis, pt, 0.0)
+            return pt
+
+        def score_grads(pt, dpt, slot):  # dSᵀ; zero wherever Pᵀ was masked to zero
+            delta = row_vector(stats_smem.at[slot, 1])
+            return (pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))).astype(dtype)
+
+        def exchange(dst, step):
+            """Both groups' dSᵀ rows into shared memory; then step - 1's slot is free in both
+            groups (their dK products read it before this step's Sᵀ), so it takes the tile of
+            step - 1 + stages."""
+            buf = lax.rem(step, 2)
+            ds_smem.at[buf, pl.ds(wg * bkv, bkv)][...] = dst
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ds_ready.at[buf])
+            plgpu.barrier_wait(ds_ready.at[buf])
+            ahead = step - 1 + stages
+            pl.when((wg == 0) & (step >= 1) & (ahead < total))(functools.partial(load, ahead))
+            return ds_smem.at[buf]
+
+        def reduce_dq(dq, step):
+            head, qt = head_and_tile(step)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # step - 1's reduction has read it
+            dq_tile[...] = dq
+            plgpu.commit_smem()
+            if interpret is None:
+                plgpu.copy_smem_to_gmem(dq_tile, dq_ref.at[bi, head, qt, wg], reduction_op="add")
+            else:  # no TMA reduction in the interpreter: this program's own slice
+                plgpu.copy_smem_to_gmem(
+                    dq_tile, dq_ref.at[tile, bi, pl.ds(qt * bq, bq), head, pl.ds(wg * half, half)])
+
+        def wait_tile(step):
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.barrier_wait(do_ready.at[slot])
+            _, qt = head_and_tile(step)
+            return slot, qt, q_smem.at[slot], do_smem.at[slot]
+
+        def compiled_step(grad_refs, step, carry, masked):
+            dv_acc, dk_acc = grad_refs
+            slot, qt, q_tile, do_tile = wait_tile(step)
+
+            def products(st_acc, dpt_acc, dq_acc):
+                plgpu.wgmma(st_acc, k_rows, _transposed(plgpu, q_tile))
+                plgpu.wgmma(dpt_acc, v_rows, _transposed(plgpu, do_tile))
+                pt = probabilities(plgpu.wgmma_accumulator_load(st_acc, wait_n=1), slot, qt,
+                                   masked)
+                plgpu.wgmma(dv_acc, pt.astype(dtype), do_tile)
+                dst = score_grads(pt, plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1), slot)
+                ds = exchange(dst, step)
+                plgpu.wgmma(dk_acc, dst, q_tile)
+                plgpu.wgmma(dq_acc, _transposed(plgpu, ds), k_half)
+                reduce_dq(plgpu.wgmma_accumulator_load(dq_acc, wait_n=0), step)
+
+            pl.run_scoped(products, plgpu.ACC((bkv, bq), jnp.float32),
+                          plgpu.ACC((bkv, bq), jnp.float32), plgpu.ACC((bq, half), jnp.float32))
+            return carry
+
+        def interpreted_step(step, carry, masked):
+            dk, dv = carry
+            slot, qt, q_tile, do_tile = wait_tile(step)
+            contract = (((1,), (1,)), ((), ()))
+            st = lax.dot_general(k_rows[...], q_tile[...], contract,
+                                 preferred_element_type=jnp.float32)
+            dpt = lax.dot_general(v_rows[...], do_tile[...], contract,
+                                  preferred_element_type=jnp.float32)
+            pt = probabilities(st, slot, qt, masked)
+            dst = score_grads(pt, dpt, slot)
+            dv = dv + jnp.dot(pt.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
+            dk = dk + jnp.dot(dst, q_tile[...], preferred_element_type=jnp.float32)
+            ds = exchange(dst, step)
+            dq = lax.dot_general(ds[...], k_half[...], (((0,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+            reduce_dq(dq, step)
+            return dk, dv
+
+        def walk(step_fn, carry):
+            """Every step in order: per query head of the group, its masked, whole and masked
+            query tiles."""
+            def one_head(i, carry):
+                first = i * (hi - lo) - lo
+                for a, z, masked in ((lo, full_lo, True), (full_lo, full_hi, False),
+                                     (full_hi, hi, True)):
+                    carry = lax.fori_loop(first + a, first + z,
+                                          functools.partial(step_fn, masked=masked), carry)
+                return carry
+            return lax.fori_loop(0, g, one_head, carry)
+
+        plgpu.barrier_wait(k_ready.at[wg])
+        plgpu.barrier_wait(v_ready.at[wg])
+        plgpu.barrier_wait(k_ready.at[1 - wg])  # the dQ product reads the other group's K
+        if interpret is None:
+            def grads(grad_refs):
+                walk(functools.partial(compiled_step, grad_refs), jnp.int32(0))
+
+            dv, dk = pl.run_state(grads)((plgpu.ACC.init(zero_grads()),
+                                          plgpu.ACC.init(zero_grads())))
+        else:
+            dk, dv = walk(interpreted_step, (zero_grads(), zero_grads()))
+
+        # The other group may still read K for its last dQ product.
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
+        k_rows[...] = (dk * scale).astype(dtype)
+        v_rows[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_rows, dk_ref.at[bi, pl.ds(kw0, bkv), kv_head])
+        plgpu.copy_smem_to_gmem(v_rows, dv_ref.at[bi, pl.ds(kw0, bkv), kv_head])
+        plgpu.wait_smem_to_gmem(0)
+
+    tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    f32_tiles = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
+    def entry(*refs):
+        pl.run_scoped(
+            lambda *scoped: kernel(*refs, scoped),
+            (plgpu.SMEM((keys, h), dtype, transforms=tiles),
+             plgpu.SMEM((keys, h), dtype, transforms=tiles),
+             plgpu.SMEM((stages, bq, h), dtype, transforms=tiles),
+             plgpu.SMEM((stages, bq, h), dtype, transforms=tiles),
+             plgpu.SMEM((stages, 2, bq), jnp.float32),
+             plgpu.SMEM((2, keys, bq), dtype, transforms=tiles),
+             plgpu.SMEM((2, bq, half), jnp.float32, transforms=f32_tiles)),
+            (*(plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 3),
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),
+            plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+
+    mesh = plgpu.Mesh(grid=(num_kv, kh, b), grid_names=("kv_seq", "kv_heads", "batch"),
+                      num_threads=2, thread_name="wg")
+    grads_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
+    params = plgpu.CompilerParams(approx_math=True)
+    if interpret is None:
+        # Tile-contiguous float32 dQ, zeroed, that every program reduce-adds into: `pl.kernel`
+        # with a mesh aliases the ref in and out (`plgpu.kernel`'s wrapper rejects refs).
+        dq_acc = jax.new_ref(jnp.zeros((b, n, num_q, 2, bq, half), jnp.float32))
+        dk, dv = pl.kernel(entry, out_type=grads_type, mesh=mesh, compiler_params=params)(
+            q, k, v, d_out, stats, dq_acc)
+        dq = jax.freeze(dq_acc).transpose(0, 2, 4, 1, 3, 5).reshape(q.shape)
+    else:
+        parts_type = jax.ShapeDtypeStruct((num_kv, *q.shape), jnp.float32)
+        parts, dk, dv = pl.kernel(entry, out_type=(parts_type, *grads_type), mesh=mesh,
+                                  compiler_params=params, interpret=interpret)(
+            q, k, v, d_out, stats)
+        lo, _, _, hi = jax.vmap(lambda k0: ranges(k0, keys))(jnp.arange(num_kv) * keys)
+        tiles_of_t = jnp.arange(t) // bq
+        seen = (tiles_of_t >= lo[:, None]) & (tiles_of_t < hi[:, None])  # [key tiles, T]
+        dq = jnp.where(seen[:, None, :, None, None], parts, 0.0).sum(axis=0)
+    return (dq * scale).astype(dtype), dk, dv

@@ -1,0 +1,131 @@
+"""The fused Mosaic GPU flash backward: its query-tile ranges and routing on the CPU, the kernel in
+Pallas's Mosaic GPU interpreter on the CPU and compiled on the GPU, against the reference's
+gradients (and the Triton backward's on the GPU)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn.dense import attention, mosaic, mosaic_bwd
+from tests.utils import randn, rng
+
+RANGE_CASES = [
+    # (T, keys, block_q, causal, window, sinks)
+    (1024, 128, 64, True, 0, 0),
+    (1024, 128, 64, True, 256, 64),
+    (1024, 128, 64, True, 300, 0),
+    (1024, 128, 64, True, 100, 17),
+    (1024, 128, 64, True, 64, 200),
+    (1024, 128, 64, True, 1, 0),
+    (1024, 128, 64, True, 4096, 128),
+    (512, 128, 64, False, 0, 0),
+]
+
+
+@pytest.mark.parametrize("t,keys,bq,causal,window,sinks", RANGE_CASES)
+def test_query_ranges_match_brute_force(t, keys, bq, causal, window, sinks):
+    """Per key tile: `[lo, hi)` is exactly the query tiles that see any of its keys;
+    `[full_lo, full_hi)` only tiles that see all of them (run unmasked), and exactly those unless
+    the tile holds both sink and window keys (then the tiles are run masked: slower, not
+    wrong)."""
+    pos, key = np.arange(t)[:, None], np.arange(t)[None, :]
+    vis = np.ones((t, t), bool)
+    if causal:
+        vis &= key <= pos
+        if window > 0:
+            vis &= (key > pos - window) | (key < sinks)
+    for k0 in range(0, t, keys):
+        lo, full_lo, full_hi, hi = (int(x) for x in mosaic_bwd.query_ranges(
+            k0, keys, block_q=bq, q_len=t, causal=causal, window=window, sinks=sinks))
+        tiles = vis[:, k0:k0 + keys].reshape(t // bq, bq, keys)
+        any_, all_ = np.flatnonzero(tiles.any((1, 2))), np.flatnonzero(tiles.all((1, 2)))
+        assert (lo, hi) == ((any_[0], any_[-1] + 1) if any_.size else (lo, lo)), k0
+        assert lo <= full_lo <= full_hi <= hi, k0
+        assert set(range(full_lo, full_hi)) <= set(all_), k0
+        if k0 >= sinks or k0 + keys <= sinks:
+            assert list(range(full_lo, full_hi)) == list(all_), k0
+
+
+def test_routing_names_what_keeps_the_triton_backward():
+    cfg = mosaic.Config()
+    assert mosaic.fused_backward_reasons((1, 256, 4, 128), (1, 256, 2, 128), cfg) == []
+    assert "H=64" in mosaic.fused_backward_reasons((1, 256, 4, 64), (1, 256, 2, 64), cfg)[0]
+    assert "S=192" in mosaic.fused_backward_reasons((1, 192, 4, 128), (1, 192, 2, 128), cfg)[0]
+    off = dataclasses.replace(cfg, fused_backward=False)
+    assert mosaic.fused_backward_reasons((1, 256, 4, 128), (1, 256, 2, 128), off) == [
+        "Config(fused_backward=False)"]
+
+
+def _grads(impl, q, k, v, d_out, config=None, **options):
+    """Gradients of a loss that uses both outputs (out and lse: the lse cotangent)."""
+    def loss(q, k, v):
+        if impl == "mosaic":
+            out, lse = mosaic.attention(q, k, v, config=config, **options)
+        else:
+            out, lse = attention(q, k, v, implementation=impl, **options)
+        return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(jnp.sin(lse))
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def _inputs(seed, b, t, s, kh, g, h=128):
+    gen = rng(seed)
+    q = randn(gen, (b, t, kh * g, h), jnp.bfloat16)
+    k, v = randn(gen, (b, s, kh, h), jnp.bfloat16), randn(gen, (b, s, kh, h), jnp.bfloat16)
+    return q, k, v, randn(gen, q.shape, jnp.float32)
+
+
+def _check(got, want, tol):
+    for name, a, b in zip("qkv", got, want):
+        a = a.astype(jnp.float32)
+        assert bool(jnp.all(jnp.isfinite(a))), f"d{name} not finite"
+        err = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+        assert err < tol, f"d{name}: relative L2 error {err:.2e} >= {tol}"
+
+
+# CPU: the kernel in Pallas's Mosaic GPU interpreter (TMA copies, barriers and masks simulated;
+# the products as jnp products of the same shared-memory tiles). A program is 128 keys.
+INTERPRET_CASES = {
+    "causal-G3": (dict(b=1, t=256, s=256, kh=1, g=3), dict(causal=True)),
+    # Sinks that end inside a tile, a window edge inside another: masked steps at both ends.
+    "window100-sink17": (dict(b=1, t=384, s=384, kh=1, g=1), dict(window=100, sinks=17)),
+    "full-T!=S-B2": (dict(b=2, t=128, s=256, kh=1, g=2), dict(causal=False)),
+}
+SLOW_INTERPRET = {"full-T!=S-B2"}  # 10 s each on 2 cores; the GPU tests cover the full case
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_INTERPRET
+                                  else c for c in INTERPRET_CASES])
+def test_interpreted_backward_matches_reference(case):
+    dims, options = INTERPRET_CASES[case]
+    q, k, v, d_out = _inputs(11, **dims)
+    options = dict(causal=True) | options
+    got = _grads("mosaic", q, k, v, d_out, mosaic.Config(interpret=True), **options)
+    want = _grads("xla", *(x.astype(jnp.float32) for x in (q, k, v)), d_out, **options)
+    _check(got, want, 1e-2)
+
+
+# GPU: compiled; G in {1, 3, 8}, causal / window + sinks / full, several requests.
+GPU_CASES = {
+    "causal-G1": (dict(b=1, t=1024, s=1024, kh=4, g=1), dict()),
+    "causal-B2-G3": (dict(b=2, t=768, s=768, kh=2, g=3), dict()),
+    "causal-G8": (dict(b=1, t=1024, s=1024, kh=1, g=8), dict()),
+    "window256-sink64": (dict(b=1, t=2048, s=2048, kh=2, g=4), dict(window=256, sinks=64)),
+    "window100-sink200": (dict(b=1, t=1024, s=1024, kh=2, g=2), dict(window=100, sinks=200)),
+    "full-T!=S": (dict(b=2, t=256, s=1024, kh=2, g=3), dict(causal=False)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_compiled_backward_matches_reference_and_triton(case):
+    dims, options = GPU_CASES[case]
+    q, k, v, d_out = _inputs(12, **dims)
+    options = dict(causal=True) | options
+    got = _grads("mosaic", q, k, v, d_out, mosaic.Config(), **options)
+    triton = _grads("mosaic", q, k, v, d_out, mosaic.Config(fused_backward=False), **options)
+    want = _grads("xla", *(x.astype(jnp.float32) for x in (q, k, v)), d_out, **options)
+    _check(got, want, 1e-2)
+    _check(got, [x.astype(jnp.float32) for x in triton], 1e-2)
