@@ -586,7 +586,7 @@ def _attention(q, k, v, *, causal, scale, window, sinks, config):
 def attention(q, k, v, *, causal=True, scale=None, q_offset=0, window=None, sinks=0,
               q_segment_ids=None, kv_segment_ids=None, kv_lengths=None, softcap=None,
               config: Config | None = None):
-    """Dense attention through the Mosaic GPU forward (differentiable: Triton backward);
+    """Dense attention through the Mosaic GPU forward (differentiable: `_flash_bwd`);
     arguments as `attn.dense.attention` (validated there, and `supports` empty), plus `config`
     (default: `default_config`).
 
