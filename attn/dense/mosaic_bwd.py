@@ -34,9 +34,10 @@ dK / dV live in wgmma accumulators across the whole walk (one `run_state`): they
 back into values between steps. `delta = rowsum(dO ∘ O) - dlse` (the lse
 cotangent folds in there) and `lse₂` are computed before the kernel in XLA, and `dQ · scale` is
 cast after it. Steps are *whole* (every pair visible: no mask) or *masked* (the causal diagonal,
-the window's far edge, sink tiles: the token rule, with `dS` selected rather than multiplied so a
-masked NaN reaches no gradient); `query_ranges` computes them and is checked on the CPU against
-brute-force visibility.
+the window's far edge, sink tiles: the token rule, `Pᵀ` selected rather than multiplied so a
+non-finite key there reaches no gradient; a non-finite value there reaches `dSᵀ` through `dPᵀ`,
+as it reaches the forward's output: `attn/dense/mosaic.py`'s note); `query_ranges` computes them
+and is checked on the CPU against brute-force visibility.
 
 On the CPU the kernel runs in Pallas's Mosaic GPU interpreter (`Config(interpret=True)`): the
 products become `jnp` products of the same shared-memory tiles, and the interpreter has no TMA
@@ -211,7 +212,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
             plgpu.barrier_wait(stats_ready.at[slot])
             lse = row_vector(stats_smem.at[slot, 0])
             pt = jnp.exp2(st * scale_log2 - lax.broadcast_in_dim(lse, st.shape, [1]))
-            if masked:  # selected, not multiplied: P = 0 times a NaN would leak
+            if masked:  # selected, not multiplied: a NaN score must not survive as 0 * NaN
                 vis = visible(qt * bq + iota(st.shape, 1), kw0 + iota(st.shape, 0))
                 pt = jnp.where(vis, pt, 0.0)
             return pt
