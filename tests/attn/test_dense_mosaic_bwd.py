@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from attn.dense import attention, mosaic, mosaic_bwd
+from tests.attn.test_dense_mosaic import _visible
 from tests.utils import randn, rng
 
 RANGE_CASES = [
@@ -31,12 +32,7 @@ def test_query_ranges_match_brute_force(t, keys, bq, causal, window, sinks):
     `[full_lo, full_hi)` only tiles that see all of them (run unmasked), and exactly those unless
     the tile holds both sink and window keys (then the tiles are run masked: slower, not
     wrong)."""
-    pos, key = np.arange(t)[:, None], np.arange(t)[None, :]
-    vis = np.ones((t, t), bool)
-    if causal:
-        vis &= key <= pos
-        if window > 0:
-            vis &= (key > pos - window) | (key < sinks)
+    vis = _visible(np.arange(t), np.arange(t), causal=causal, window=window, sinks=sinks)
     for k0 in range(0, t, keys):
         lo, full_lo, full_hi, hi = (int(x) for x in mosaic_bwd.query_ranges(
             k0, keys, block_q=bq, q_len=t, causal=causal, window=window, sinks=sinks))
