@@ -88,7 +88,8 @@ class Config:
     block_kv: int = 128
     stages: int = 2
     # Gradients from the one-kernel Mosaic GPU backward (`attn/dense/mosaic_bwd.py`) where it
-    # runs (`fused_backward_reasons` empty), else from the Triton backward kernels.
+    # runs (`fused_backward_reasons` empty), else from the Triton backward kernels. False is the
+    # deterministic option: the fused kernel sums dQ by reduce-adds in arbitrary order.
     fused_backward: bool = True
     # Run in Pallas's Mosaic GPU interpreter (on the CPU: the tests), not compiled. The two
     # wgmmas become `jnp` products of the same shared-memory tiles there (the interpreter has no
@@ -553,10 +554,10 @@ def fused_backward_reasons(q_shape, k_shape, config: Config) -> list[str]:
     if h != 128:
         reasons.append(f"H={h}: the fused backward splits dQ's head dim in two 64-column halves "
                        f"(H == 128 only)")
-    keys = 2 * mosaic_bwd.Config().block_kv
-    if s % keys or t % mosaic_bwd.Config().block_q:
-        reasons.append(f"S={s} must be a multiple of {keys} and T={t} of "
-                       f"{mosaic_bwd.Config().block_q}")
+    tiles = mosaic_bwd.Config()
+    keys = 2 * tiles.block_kv
+    if s % keys or t % tiles.block_q:
+        reasons.append(f"S={s} must be a multiple of {keys} and T={t} of {tiles.block_q}")
     return reasons
 
 

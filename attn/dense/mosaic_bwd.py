@@ -6,7 +6,7 @@ kernel, which recompute `S = Q Kᵀ` and `dP = dO Vᵀ` twice: 7 tile products p
 tile) pair against 5 here. The price of the fused form is that dQ is summed across programs:
 every step's partial dQ goes from shared memory to a float32 accumulator in global memory by a
 TMA reduce-add (one bulk operation per tile, done in L2), which the Triton route through
-jax-triton cannot express (its per-element atomics were slower than the second kernel).
+jax-triton cannot express (its per-element atomics are slower than the second kernel).
 
 Programs: one per (key tile of `2 * block_kv` keys, KV head, request), key tiles fastest (the
 programs running together read the same queries while they are in L2). Two warp groups, each
@@ -38,6 +38,10 @@ the window's far edge, sink tiles: the token rule, `Pᵀ` selected rather than m
 non-finite key there reaches no gradient; a non-finite value there reaches `dSᵀ` through `dPᵀ`,
 as it reaches the forward's output: `attn/dense/mosaic.py`'s note); `query_ranges` computes them
 and is checked on the CPU against brute-force visibility.
+
+Not deterministic: the reduce-adds land in the order the programs reach them, so dQ's float32
+rounding can differ from run to run. `attn.dense.mosaic.Config(fused_backward=False)` gives the
+Triton backward, which is (each dQ row summed by one program in a fixed order).
 
 On the CPU the kernel runs in Pallas's Mosaic GPU interpreter (`Config(interpret=True)`): the
 products become `jnp` products of the same shared-memory tiles, and the interpreter has no TMA
