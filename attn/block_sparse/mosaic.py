@@ -100,8 +100,8 @@ def _launch(q, k, v, blocks, count, whole, *, scale: float, interpret: bool):
             visible=lambda pos, key: key <= pos)
 
     return dense_mosaic.flash_call(
-        q, k, v, (blocks, count, whole), plan=plan, grid=(n * tb, b),
-        grid_names=("programs", "batch"), scale=scale, config=config)
+        q, k, v, (blocks, count, whole), plan=plan, grid=(b, n * tb),  # the last axis fastest
+        grid_names=("batch", "programs"), scale=scale, config=config)
 
 
 def _forward(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len, *,

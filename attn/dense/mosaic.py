@@ -36,8 +36,10 @@ The program-independent part is `flash_call`: it runs the schedule above over wh
 step, the compute groups' runs of whole / masked / skipped steps and the token rule of the masked
 ones). The dense plan is `_forward`'s; `attn/block_sparse/mosaic.py` walks block lists with it.
 
-Programs: the grid is (query head, query tile, request), heads fastest (the group of a KV head
-reads the same K / V while it is in L2), the last (longest causal) query tiles first. The lse is
+Programs: the grid is (query head, query tile, request). Mosaic GPU launches the grid's last
+axis fastest, so the requests vary fastest, then the query tiles, the last (longest causal) first,
+then the heads: the programs running together are one head's, and read its K / V while it is in
+L2. (Heads fastest, so that a KV head's group runs together, measures no faster.) The lse is
 stored `[B, N, T]` (1-D TMA stores of `block_q` rows) and transposed outside.
 
 Supports: causal with `T == S` and no offset, or non-causal; `window` / `sinks` as Python ints

@@ -8,8 +8,10 @@ every step's partial dQ goes from shared memory to a float32 accumulator in glob
 TMA reduce-add (one bulk operation per tile, done in L2), which the Triton route through
 jax-triton cannot express (its per-element atomics are slower than the second kernel).
 
-Programs: one per (key tile of `2 * block_kv` keys, KV head, request), key tiles fastest (the
-programs running together read the same queries while they are in L2). Two warp groups, each
+Programs: one per (key tile of `2 * block_kv` keys, KV head, request). Mosaic GPU launches the
+grid's last axis fastest: requests, then KV heads, then key tiles, the first (longest causal, and
+the sink tile) first. (Key tiles fastest, so that the programs running together share their
+queries in L2, measures the same.) Two warp groups, each
 owning `block_kv` keys: their K / V rows stay in shared memory and their dK / dV accumulate in
 registers over every query tile of every query head of the KV head (the heads of a group sum in
 registers: no dK / dV reduction afterwards). The query tiles (Q, dO and the rows' `lse`,
