@@ -11,11 +11,11 @@ jax-triton cannot express (its per-element atomics are slower than the second ke
 Programs: one per (key tile of `2 * block_kv` keys, KV head, request). Mosaic GPU launches the
 grid's last axis fastest: requests, then KV heads, then key tiles, the first (longest causal, and
 the sink tile) first. (Key tiles fastest, so that the programs running together share their
-queries in L2, measures the same.) Two warp groups, each
-owning `block_kv` keys: their K / V rows stay in shared memory and their dK / dV accumulate in
-registers over every query tile of every query head of the KV head (the heads of a group sum in
-registers: no dK / dV reduction afterwards). The query tiles (Q, dO and the rows' `lse`,
-`delta`) stream through a ring of `stages` shared-memory slots; group 0 issues their TMA copies.
+queries in L2, measures the same.) Two warp groups, each owning `block_kv` keys: their K / V rows
+stay in shared memory and their dK / dV accumulate in registers over every query tile of every
+query head of the KV head (the heads of a group sum in registers: no dK / dV reduction
+afterwards). The query tiles (Q, dO and the rows' `lse`, `delta`) stream through a ring of
+`stages` shared-memory slots; group 0 issues their TMA copies.
 
 Why two warp groups and no copy-only one (the forward's layout): ptxas allocates registers for
 the launch's thread count, not for what `setmaxnreg` grants later, so with three groups the
@@ -43,7 +43,7 @@ and is checked on the CPU against brute-force visibility.
 
 Not deterministic: the reduce-adds land in the order the programs reach them, so dQ's float32
 rounding can differ from run to run. `attn.dense.mosaic.Config(fused_backward=False)` gives the
-Triton backward, which is (each dQ row summed by one program in a fixed order).
+Triton backward, which is deterministic (each dQ row summed by one program in a fixed order).
 
 On the CPU the kernel runs in Pallas's Mosaic GPU interpreter (`Config(interpret=True)`): the
 products become `jnp` products of the same shared-memory tiles, and the interpreter has no TMA
