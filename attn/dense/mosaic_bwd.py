@@ -38,8 +38,10 @@ cotangent folds in there) and `lse₂` are computed before the kernel in XLA, an
 cast after it. Steps are *whole* (every pair visible: no mask) or *masked* (the causal diagonal,
 the window's far edge, sink tiles: the token rule, `Pᵀ` selected rather than multiplied so a
 non-finite key there reaches no gradient; a non-finite value there reaches `dSᵀ` through `dPᵀ`,
-as it reaches the forward's output: `attn/dense/mosaic.py`'s note); `query_ranges` computes them
-and is checked on the CPU against brute-force visibility.
+as it reaches the forward's output: `attn/dense/mosaic.py`'s note). A key tile holding sink and
+window keys is masked at every query tile, but past the window its rule is the keys' alone (`key <
+sinks`, no positions: cheaper). `query_ranges` computes the runs and is checked on the CPU
+against brute-force visibility.
 
 Not deterministic: the reduce-adds land in the order the programs reach them, so dQ's float32
 rounding can differ from run to run. `attn.dense.mosaic.Config(fused_backward=False)` gives the
@@ -104,17 +106,18 @@ def _cdiv(a, b):
 def query_ranges(k0, keys: int, *, block_q: int, q_len: int, causal: bool, window: int,
                  sinks: int):
     """Query tiles (`block_q` rows) that see any of the keys `[k0, k0 + keys)`: `(lo, full_lo,
-    full_hi, hi)`, of which `[full_lo, full_hi)` see all of them whole and the rest partly (or
-    not at all: masked steps). `k0` may be traced. Causal assumes queries at positions
-    `0..q_len-1` (no offset)."""
+    full_hi, sinks_lo, hi)`, of which `[full_lo, full_hi)` see all of them whole, `[sinks_lo,
+    hi)` exactly the sink keys among them (a tile holding sink and window keys, past the
+    window), and the rest partly (masked steps). `k0` may be traced. Causal assumes queries at
+    positions `0..q_len-1` (no offset)."""
     num_tiles = q_len // block_q
     if not causal:
-        return 0, 0, num_tiles, num_tiles
+        return 0, 0, num_tiles, num_tiles, num_tiles
     last = k0 + keys - 1
     lo = jnp.minimum(k0 // block_q, num_tiles)
     full_lo = jnp.clip(_cdiv(last, block_q), lo, num_tiles)  # first tile with every row >= last
     if window <= 0:
-        return lo, full_lo, num_tiles, num_tiles
+        return lo, full_lo, num_tiles, num_tiles, num_tiles
     # Rows up to `key + window - 1` see a non-sink key; sink keys stay visible to every row.
     hi = jnp.where(k0 < sinks, num_tiles,
                    jnp.clip((last + window - 1) // block_q + 1, lo, num_tiles))
@@ -122,7 +125,10 @@ def query_ranges(k0, keys: int, *, block_q: int, q_len: int, causal: bool, windo
     # Whole while the tile's last row still sees the first key: `row - window < k0`.
     window_hi = jnp.clip(_cdiv(k0 + window - block_q + 1, block_q), full_lo, hi)
     full_hi = jnp.where(last < sinks, hi, jnp.where(k0 < sinks, full_lo, window_hi))
-    return lo, full_lo, full_hi, hi
+    # Past `last + window` every row sees none of the tile's window keys, only its sinks.
+    mixed = (k0 < sinks) & (last >= sinks)
+    sinks_lo = jnp.where(mixed, jnp.clip(_cdiv(last + window, block_q), full_hi, hi), hi)
+    return lo, full_lo, full_hi, sinks_lo, hi
 
 
 def _transposed(plgpu, ref):
@@ -193,7 +199,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
         kv_head, bi = lax.axis_index("kv_heads"), lax.axis_index("batch")
         k0 = tile * keys
         kw0 = k0 + wg * bkv
-        lo, full_lo, full_hi, hi = ranges(k0, keys)
+        lo, full_lo, full_hi, sinks_lo, hi = ranges(k0, keys)
         total = g * (hi - lo)  # steps: every query tile that sees the keys, head by head
 
         def head_and_tile(step):
@@ -226,9 +232,12 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
             plgpu.barrier_wait(stats_ready.at[slot])
             lse = row_vector(stats_smem.at[slot, 0])
             pt = jnp.exp2(st * scale_log2 - lax.broadcast_in_dim(lse, st.shape, [1]))
-            if masked:  # selected, not multiplied: a NaN score must not survive as 0 * NaN
+            # Selected, not multiplied: a NaN score must not survive as 0 * NaN.
+            if masked == "token":
                 vis = visible(qt * bq + iota(st.shape, 1), kw0 + iota(st.shape, 0))
                 pt = jnp.where(vis, pt, 0.0)
+            elif masked == "sinks":  # every row is past the window: a key rule, no positions
+                pt = jnp.where(kw0 + iota(st.shape, 0) < sinks, pt, 0.0)
             return pt
 
         def score_grads(pt, dpt, slot):  # dSᵀ; zero wherever Pᵀ was masked to zero
@@ -305,12 +314,12 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
             return dk, dv
 
         def walk(step_fn, carry):
-            """Every step in order: per query head of the group, its masked, whole and masked
-            query tiles."""
+            """Every step in order: per query head of the group, its masked, whole, masked and
+            sinks-only query tiles."""
             def one_head(i, carry):
                 first = i * (hi - lo) - lo
-                for a, z, masked in ((lo, full_lo, True), (full_lo, full_hi, False),
-                                     (full_hi, hi, True)):
+                for a, z, masked in ((lo, full_lo, "token"), (full_lo, full_hi, None),
+                                     (full_hi, sinks_lo, "token"), (sinks_lo, hi, "sinks")):
                     carry = lax.fori_loop(first + a, first + z,
                                           functools.partial(step_fn, masked=masked), carry)
                 return carry
@@ -373,7 +382,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
         parts, dk, dv = pl.kernel(entry, out_type=(parts_type, *grads_type), mesh=mesh,
                                   compiler_params=params, interpret=interpret)(
             q, k, v, d_out, stats)
-        lo, _, _, hi = jax.vmap(lambda k0: ranges(k0, keys))(jnp.arange(num_kv) * keys)
+        lo, *_, hi = jax.vmap(lambda k0: ranges(k0, keys))(jnp.arange(num_kv) * keys)
         tiles_of_t = jnp.arange(t) // bq
         seen = (tiles_of_t >= lo[:, None]) & (tiles_of_t < hi[:, None])  # [key tiles, T]
         dq = jnp.where(seen[:, None, :, None, None], parts, 0.0).sum(axis=0)

@@ -28,15 +28,20 @@ def test_query_ranges_match_brute_force(t, keys, bq, causal, window, sinks):
     wrong)."""
     vis = _visible(np.arange(t), np.arange(t), causal=causal, window=window, sinks=sinks)
     for k0 in range(0, t, keys):
-        lo, full_lo, full_hi, hi = (int(x) for x in mosaic_bwd.query_ranges(
+        lo, full_lo, full_hi, sinks_lo, hi = (int(x) for x in mosaic_bwd.query_ranges(
             k0, keys, block_q=bq, q_len=t, causal=causal, window=window, sinks=sinks))
         tiles = vis[:, k0:k0 + keys].reshape(t // bq, bq, keys)
         any_, all_ = np.flatnonzero(tiles.any((1, 2))), np.flatnonzero(tiles.all((1, 2)))
         assert (lo, hi) == ((any_[0], any_[-1] + 1) if any_.size else (lo, lo)), k0
-        assert lo <= full_lo <= full_hi <= hi, k0
+        assert lo <= full_lo <= full_hi <= sinks_lo <= hi, k0
         assert set(range(full_lo, full_hi)) <= set(all_), k0
+        sinks_only = (tiles == (k0 + np.arange(keys) < sinks)).all((1, 2))
+        assert sinks_only[sinks_lo:hi].all(), k0  # the sink rule is the token rule there
         if k0 >= sinks or k0 + keys <= sinks:
             assert list(range(full_lo, full_hi)) == list(all_), k0
+            assert sinks_lo == hi, k0
+        else:  # and from the first such tile on
+            assert sinks_lo in (full_hi, hi) or not sinks_only[sinks_lo - 1], k0
 
 
 def test_routing_names_what_keeps_the_triton_backward():
