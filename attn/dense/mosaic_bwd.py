@@ -75,7 +75,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import triton
+import triton.language as tl
 from jax import lax
+
+from attn._harness import triton_call
 
 LOG2E = math.log2(math.e)
 
@@ -131,6 +135,73 @@ def query_ranges(k0, keys: int, *, block_q: int, q_len: int, causal: bool, windo
     return lo, full_lo, full_hi, sinks_lo, hi
 
 
+def run_visible(run: str, pos, key, *, causal: bool, window: int, sinks: int, keys: int,
+                block_q: int):
+    """Which (query position, key) pairs of a masked run's steps are visible: the token rule
+    without the terms that every pair of the run satisfies (fewer instructions and registers in
+    the step). Runs (`query_ranges`): "diagonal" `[lo, full_lo)`, "edge" (the window's far edge)
+    `[full_hi, sinks_lo)`, "sinks" `[sinks_lo, hi)`."""
+    if run == "sinks":  # every row is past the window: only the sink keys
+        return key < sinks
+    if run == "edge":  # every row is at or past the tile's last key: causal holds
+        far = key > pos - window
+        return far | (key < sinks) if sinks else far
+    vis = key <= pos if causal else key >= 0
+    # The diagonal tiles' rows end at the tile's last key (`keys` is a multiple of `block_q`),
+    # so with `window >= keys` none of them is past the window of any of its keys.
+    if run == "diagonal" and window >= keys:
+        return vis
+    if window > 0:
+        vis &= (key > pos - window) | (key < sinks)
+    return vis
+
+
+def row_stats(out, lse, d_out, d_lse, *, block_q: int):
+    """The rows' `[B, N, T / block_q, 2, block_q]` float32 statistics, the kernel's layout: the
+    base-2 lse of the scaled scores (+inf for a row that sees nothing: P = 0) and `delta =
+    rowsum(dO ∘ O) - dlse` (the lse cotangent folds in there). `_stats_kernel` is the same in one
+    pass."""
+    b, t, n, _ = out.shape
+    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - jnp.swapaxes(d_lse, 1, 2)
+    lse2 = jnp.swapaxes(jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf), 1, 2)
+    shape = (b, n, t // block_q, block_q)
+    return jnp.stack([lse2.reshape(shape), delta.reshape(shape)], axis=3)
+
+
+@triton.jit
+def _stats_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, stats_ptr, dq_ptr, T: tl.constexpr,
+                  N: tl.constexpr, H: tl.constexpr, BLOCK_Q: tl.constexpr,
+                  LOG2E_: tl.constexpr):
+    """One (query tile, head, request): its `row_stats` tile and zeros over its tile of the
+    float32 dQ accumulator (`[B, N, T / BLOCK_Q, BLOCK_Q * H]`), in one pass."""
+    qt, n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = (b.to(tl.int64) * T + qt * BLOCK_Q + tl.arange(0, BLOCK_Q)) * N + n  # of [B * T * N]
+    cols = tl.arange(0, H)
+    o = tl.load(o_ptr + rows[:, None] * H + cols[None, :]).to(tl.float32)
+    do = tl.load(do_ptr + rows[:, None] * H + cols[None, :]).to(tl.float32)
+    lse = tl.load(lse_ptr + rows)
+    finite = (lse == lse) & (tl.abs(lse) != float("inf"))
+    tile = (b.to(tl.int64) * N + n) * (T // BLOCK_Q) + qt
+    stats = stats_ptr + tile * (2 * BLOCK_Q) + tl.arange(0, BLOCK_Q)
+    tl.store(stats, tl.where(finite, lse * LOG2E_, float("inf")))
+    tl.store(stats + BLOCK_Q, tl.sum(o * do, 1) - tl.load(dlse_ptr + rows))
+    tl.store(dq_ptr + tile * (BLOCK_Q * H) + tl.arange(0, BLOCK_Q)[:, None] * H + cols[None, :],
+             tl.zeros((BLOCK_Q, H), tl.float32))
+
+
+def stats_and_zeroed_dq(out, lse, d_out, d_lse, *, block_q: int):
+    """`(row_stats, zeros [B, N, T / block_q, block_q * H] float32)` by `_stats_kernel`: what
+    XLA does in three passes (the delta reduction, the small stats, the memset) in one."""
+    b, t, n, h = out.shape
+    num_q = t // block_q
+    return triton_call(
+        out, d_out.astype(out.dtype), lse, d_lse.astype(jnp.float32), kernel=_stats_kernel,
+        out_shape=(jax.ShapeDtypeStruct((b, n, num_q, 2, block_q), jnp.float32),
+                   jax.ShapeDtypeStruct((b, n, num_q, block_q * h), jnp.float32)),
+        grid=(num_q, n, b), num_warps=4, T=t, N=n, H=h, BLOCK_Q=block_q, LOG2E_=LOG2E)
+
+
 def _transposed(plgpu, ref):
     if hasattr(ref, "transpose"):
         return ref.transpose((1, 0))
@@ -159,12 +230,11 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
     ranges = functools.partial(query_ranges, block_q=bq, q_len=t, causal=causal, window=window,
                                sinks=sinks)
 
-    # Row statistics, one [2, block_q] tile per (request, head, query tile): the base-2 lse of
-    # the scaled scores (+inf for a row that sees nothing: P = 0) and delta.
-    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    delta = delta - jnp.swapaxes(d_lse, 1, 2)
-    lse2 = jnp.swapaxes(jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf), 1, 2)
-    stats = jnp.stack([lse2.reshape(b, n, num_q, bq), delta.reshape(b, n, num_q, bq)], axis=3)
+    # Row statistics, one [2, block_q] tile per (request, head, query tile): `row_stats`.
+    if interpret is None:
+        stats, dq_zeros = stats_and_zeroed_dq(out, lse, d_out, d_lse, block_q=bq)
+    else:
+        stats = row_stats(out, lse, d_out, d_lse, block_q=bq)
 
     if interpret is None:
         def iota(shape, dim):
@@ -185,11 +255,8 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
         def zero_grads():
             return jnp.zeros((bkv, h), jnp.float32)
 
-    def visible(pos, key):
-        vis = key <= pos if causal else key >= 0
-        if window > 0:
-            vis &= (key > pos - window) | (key < sinks)
-        return vis
+    visible = functools.partial(run_visible, causal=causal, window=window, sinks=sinks,
+                                keys=keys, block_q=bq)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_ref, scoped):
         ((k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem),
@@ -232,12 +299,9 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
             plgpu.barrier_wait(stats_ready.at[slot])
             lse = row_vector(stats_smem.at[slot, 0])
             pt = jnp.exp2(st * scale_log2 - lax.broadcast_in_dim(lse, st.shape, [1]))
-            # Selected, not multiplied: a NaN score must not survive as 0 * NaN.
-            if masked == "token":
-                vis = visible(qt * bq + iota(st.shape, 1), kw0 + iota(st.shape, 0))
-                pt = jnp.where(vis, pt, 0.0)
-            elif masked == "sinks":  # every row is past the window: a key rule, no positions
-                pt = jnp.where(kw0 + iota(st.shape, 0) < sinks, pt, 0.0)
+            if masked:  # selected, not multiplied: a NaN score must not survive as 0 * NaN
+                pos = qt * bq + iota(st.shape, 1) if masked != "sinks" else None
+                pt = jnp.where(visible(masked, pos, kw0 + iota(st.shape, 0)), pt, 0.0)
             return pt
 
         def score_grads(pt, dpt, slot):  # dSᵀ; zero wherever Pᵀ was masked to zero
@@ -314,12 +378,13 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
             return dk, dv
 
         def walk(step_fn, carry):
-            """Every step in order: per query head of the group, its masked, whole, masked and
-            sinks-only query tiles."""
+            """Every step in order: per query head of the group, its runs of query tiles
+            (`query_ranges`): masked on the diagonal, whole, masked at the window's far edge and
+            past it (sinks)."""
             def one_head(i, carry):
                 first = i * (hi - lo) - lo
-                for a, z, masked in ((lo, full_lo, "token"), (full_lo, full_hi, None),
-                                     (full_hi, sinks_lo, "token"), (sinks_lo, hi, "sinks")):
+                for a, z, masked in ((lo, full_lo, "diagonal"), (full_lo, full_hi, None),
+                                     (full_hi, sinks_lo, "edge"), (sinks_lo, hi, "sinks")):
                     carry = lax.fori_loop(first + a, first + z,
                                           functools.partial(step_fn, masked=masked), carry)
                 return carry
@@ -373,7 +438,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
     if interpret is None:
         # Tile-contiguous float32 dQ, zeroed, that every program reduce-adds into: `pl.kernel`
         # with a mesh aliases the ref in and out (`plgpu.kernel`'s wrapper rejects refs).
-        dq_acc = jax.new_ref(jnp.zeros((b, n, num_q, 2, bq, half), jnp.float32))
+        dq_acc = jax.new_ref(dq_zeros.reshape(b, n, num_q, 2, bq, half))
         dk, dv = pl.kernel(entry, out_type=grads_type, mesh=mesh, compiler_params=params)(
             q, k, v, d_out, stats, dq_acc)
         dq = jax.freeze(dq_acc).transpose(0, 2, 4, 1, 3, 5).reshape(q.shape)

@@ -15,9 +15,11 @@ from tests.attn.test_dense_mosaic import _visible
 from tests.utils import randn, rng
 
 # The forward's visibility cases (lengths, windows, sinks), at the backward's fixed tiles: key
-# tiles of 128, query tiles of 64.
+# tiles of 128, query tiles of 64; and a window one short of a key tile (its diagonal run keeps
+# the window rule).
 RANGE_CASES = sorted({(t, 128, 64, causal, window, sinks)
-                      for t, _, _, causal, window, sinks in FORWARD_RANGE_CASES})
+                      for t, _, _, causal, window, sinks in FORWARD_RANGE_CASES}
+                     | {(1024, 128, 64, True, 127, 3)})
 
 
 @pytest.mark.parametrize("t,keys,bq,causal,window,sinks", RANGE_CASES)
@@ -25,7 +27,7 @@ def test_query_ranges_match_brute_force(t, keys, bq, causal, window, sinks):
     """Per key tile: `[lo, hi)` is exactly the query tiles that see any of its keys;
     `[full_lo, full_hi)` only tiles that see all of them (run unmasked), and exactly those unless
     the tile holds both sink and window keys (then the tiles are run masked: slower, not
-    wrong)."""
+    wrong); each masked run's rule (`run_visible`) is the token rule on its tiles."""
     vis = _visible(np.arange(t), np.arange(t), causal=causal, window=window, sinks=sinks)
     for k0 in range(0, t, keys):
         lo, full_lo, full_hi, sinks_lo, hi = (int(x) for x in mosaic_bwd.query_ranges(
@@ -35,13 +37,36 @@ def test_query_ranges_match_brute_force(t, keys, bq, causal, window, sinks):
         assert (lo, hi) == ((any_[0], any_[-1] + 1) if any_.size else (lo, lo)), k0
         assert lo <= full_lo <= full_hi <= sinks_lo <= hi, k0
         assert set(range(full_lo, full_hi)) <= set(all_), k0
-        sinks_only = (tiles == (k0 + np.arange(keys) < sinks)).all((1, 2))
-        assert sinks_only[sinks_lo:hi].all(), k0  # the sink rule is the token rule there
+        pos, key = np.arange(t).reshape(t // bq, bq, 1), k0 + np.arange(keys)
+        for run, a, z in (("diagonal", lo, full_lo), ("edge", full_hi, sinks_lo),
+                          ("sinks", sinks_lo, hi)):
+            rule = np.broadcast_to(mosaic_bwd.run_visible(
+                run, pos[a:z], key, causal=causal, window=window, sinks=sinks, keys=keys,
+                block_q=bq), tiles[a:z].shape)
+            np.testing.assert_array_equal(rule, tiles[a:z], err_msg=f"{run} run, k0={k0}")
+        sinks_only = (tiles == (key < sinks)).all((1, 2))
         if k0 >= sinks or k0 + keys <= sinks:
             assert list(range(full_lo, full_hi)) == list(all_), k0
             assert sinks_lo == hi, k0
         else:  # and from the first such tile on
             assert sinks_lo in (full_hi, hi) or not sinks_only[sinks_lo - 1], k0
+
+
+def test_stats_kernel_matches_xla_and_zeroes_dq():
+    """`_stats_kernel` (the compiled backward's one pass, here in Triton's interpreter) gives
+    `row_stats` (rows that see nothing, lse -inf, and non-finite lse: +inf) and a zeroed dQ
+    accumulator (the CPU harness starts outputs as NaN)."""
+    gen = rng()
+    b, t, n, h, bq = 2, 192, 3, 128, 64
+    out, d_out = (randn(gen, (b, t, n, h), jnp.bfloat16) for _ in range(2))
+    lse = randn(gen, (b, t, n)).reshape(-1).at[jnp.array([0, 7, 100])].set(
+        jnp.array([-jnp.inf, jnp.inf, jnp.nan])).reshape(b, t, n)
+    d_lse = randn(gen, (b, t, n))
+    stats, zeros = mosaic_bwd.stats_and_zeroed_dq(out, lse, d_out, d_lse, block_q=bq)
+    want = mosaic_bwd.row_stats(out, lse, d_out, d_lse, block_q=bq)
+    assert stats.shape == want.shape == (b, n, t // bq, 2, bq)
+    np.testing.assert_allclose(np.asarray(stats), np.asarray(want), rtol=1e-5, atol=1e-4)
+    assert zeros.shape == (b, n, t // bq, bq * h) and not np.asarray(zeros).any()
 
 
 def test_routing_names_what_keeps_the_triton_backward():
