@@ -33,15 +33,17 @@ keys on the wgmma's M side, so dK / dV accumulate in the wgmma layout):
     dQ half -> shared memory -> TMA reduce-add into the float32 dQ (in flight during the next step)
 
 dK / dV live in wgmma accumulators across the whole walk (one `run_state`): they are never read
-back into values between steps. `delta = rowsum(dO ∘ O) - dlse` (the lse
-cotangent folds in there) and `lse₂` are computed before the kernel in XLA, and `dQ · scale` is
-cast after it. Steps are *whole* (every pair visible: no mask) or *masked* (the causal diagonal,
-the window's far edge, sink tiles: the token rule, `Pᵀ` selected rather than multiplied so a
-non-finite key there reaches no gradient; a non-finite value there reaches `dSᵀ` through `dPᵀ`,
-as it reaches the forward's output: `attn/dense/mosaic.py`'s note). A key tile holding sink and
-window keys is masked at every query tile, but past the window its rule is the keys' alone (`key <
-sinks`, no positions: cheaper). `query_ranges` computes the runs and is checked on the CPU
-against brute-force visibility.
+back into values between steps. `delta = rowsum(dO ∘ O) - dlse` (the lse cotangent folds in
+there) and `lse₂` come from one Triton pass before the kernel (`_stats_kernel`, which also zeroes
+the float32 dQ accumulator: XLA takes three passes for the same), and `dQ · scale` is cast after
+it. Steps are *whole* (every pair visible: no mask) or
+*masked*, `Pᵀ` selected rather than multiplied so a non-finite key there reaches no gradient (a
+non-finite value there reaches `dSᵀ` through `dPᵀ`, as it reaches the forward's output:
+`attn/dense/mosaic.py`'s note). `query_ranges` splits each key tile's query tiles into runs, and
+a masked run's rule keeps only the terms its tiles need (`run_visible`): the causal diagonal
+(`key <= pos` once the window spans the tile), the window's far edge (no causal term) and, for a
+key tile holding sink and window keys, the tiles past the window (`key < sinks`, no positions).
+Both are checked on the CPU against brute-force visibility.
 
 Not deterministic: the reduce-adds land in the order the programs reach them, so dQ's float32
 rounding can differ from run to run. `attn.dense.mosaic.Config(fused_backward=False)` gives the
@@ -53,18 +55,21 @@ reduction, so each program stores its partial dQ tiles into its own slice of a
 `[key tiles, B, T, N, H]` buffer that is summed afterwards (small shapes only).
 
 Speed (H100, N32 / K8 H128 bf16, forward + backward with the Mosaic forward,
-benchmarks/prefill.json): causal S8K / 16K / 32K 0.99x / 0.95x / 0.96x cuDNN's (backward 428 / 472
-/ 507 TFLOP/s against cuDNN's 441 / 523 / 538); window 2048 + 64 sinks at S8K 0.84x cuDNN's
-window. The Triton backward takes 1.1-1.2x as long at causal S8K-32K. Registers are the limit:
-at 255 per thread ptxas still spills a little (`MOSAIC_GPU_DUMP_PTXAS=1` shows it). Getting dQ
-out (the shared-memory store and the reduce-add) is about a fifth of the causal backward at
-S8K-16K (the kernel without it: 2.5 ms against 3.2 at S8K); overlapping it with the next step's
-products keeps another dQ tile live, and ptxas then serialises the wgmmas: freeing registers
-comes first. Where they go: the mask code of the masked steps is most of the spills (156 bytes;
-20 without it), and the per-step `lse` / `delta` row vectors cost about 7% of the causal forward
-+ backward at S8K-16K (without them the spills are 116 bytes, with neither none). The sink
-tile's program walks every query tile masked; it is most of what sinks add to a window (on an
-H200, S8K window 2048: 0.93x cuDNN's without sinks, 0.84x with 64).
+benchmarks/prefill.json): causal S8K / 16K / 32K 0.99x / 0.98x / 0.96x cuDNN's (backward 439 / 486
+/ 502 TFLOP/s against cuDNN's 450 / 512 / 534); window 2048 + 64 sinks at S8K 0.95x cuDNN's
+window without sinks. The Triton backward takes 1.1-1.2x as long at causal S8K-32K. At S128K
+the step runs (no S x S buffer) at 0.74x cuDNN's: per step the backward is 1.4x slower than at
+S32K while cuDNN's is flat; the likely cause, not yet measured, is L2: Q / dO / dQ tiles are
+reused in L2 only while the programs walking them stay in step, and programs of unequal length
+drift apart. Registers are the limit: at 255 per thread ptxas still spills a little
+(`MOSAIC_GPU_DUMP_PTXAS=1` shows it). Getting dQ out (the shared-memory store and the
+reduce-add) is about a fifth of the causal backward at S8K-16K (the kernel without it: 2.5 ms
+against 3.2 at S8K); overlapping it with the next step's products keeps another dQ tile live, and
+ptxas then serialises the wgmmas: freeing registers comes first. Where they go: the mask code of
+the masked steps is most of the spills (156 bytes causal, 292 with a window and sinks; 20
+without masks), and the per-step `lse` / `delta` row vectors cost about 7% of the causal forward
++ backward at S8K-16K (without them the spills are 116 bytes, with neither none). A third
+shared-memory slot for the query tiles (`stages=3`) is slower.
 """
 
 from __future__ import annotations
