@@ -36,14 +36,14 @@ dK / dV live in wgmma accumulators across the whole walk (one `run_state`): they
 back into values between steps. `delta = rowsum(dO ∘ O) - dlse` (the lse cotangent folds in
 there) and `lse₂` come from one Triton pass before the kernel (`_stats_kernel`, which also zeroes
 the float32 dQ accumulator: XLA takes three passes for the same), and `dQ · scale` is cast after
-it. Steps are *whole* (every pair visible: no mask) or
-*masked*, `Pᵀ` selected rather than multiplied so a non-finite key there reaches no gradient (a
-non-finite value there reaches `dSᵀ` through `dPᵀ`, as it reaches the forward's output:
-`attn/dense/mosaic.py`'s note). `query_ranges` splits each key tile's query tiles into runs, and
-a masked run's rule keeps only the terms its tiles need (`run_visible`): the causal diagonal
-(`key <= pos` once the window spans the tile), the window's far edge (no causal term) and, for a
-key tile holding sink and window keys, the tiles past the window (`key < sinks`, no positions).
-Both are checked on the CPU against brute-force visibility.
+it. Steps are *whole* (every pair visible: no mask) or *masked*, `Pᵀ` selected rather than
+multiplied so a non-finite key there reaches no gradient (a non-finite value there reaches `dSᵀ`
+through `dPᵀ`, as it reaches the forward's output: `attn/dense/mosaic.py`'s note).
+`query_ranges` splits each key tile's query tiles into runs, and a masked run's rule keeps only
+the terms its tiles need (`run_visible`): the causal diagonal (`key <= pos` once the window spans
+the tile), the window's far edge (no causal term) and, for a key tile holding sink and window
+keys, the tiles past the window (`key < sinks`, no positions). Both are checked on the CPU
+against brute-force visibility.
 
 Not deterministic: the reduce-adds land in the order the programs reach them, so dQ's float32
 rounding can differ from run to run. `attn.dense.mosaic.Config(fused_backward=False)` gives the
