@@ -36,13 +36,14 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from attn._harness import triton_call
+from attn._harness import on_gpu, triton_call
 from attn.dense._flash_tiles import _load
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: kernels may read it
 
 
-def transposed_lists(eff, q_lengths, kv_lengths, block_size: int, num_kv_heads: int):
+def transposed_lists(eff, q_lengths, kv_lengths, block_size: int, num_kv_heads: int, *,
+                     use_kernel: bool | None = None):
     """Per (request, KV head, key block): the (sibling, query tile) pairs that selected it.
 
     Args:
@@ -50,6 +51,9 @@ def transposed_lists(eff, q_lengths, kv_lengths, block_size: int, num_kv_heads: 
       q_lengths, kv_lengths: `[B]` int32, clamped to `[0, T]` / `[0, S]`.
       block_size: the block size.
       num_kv_heads: K.
+      use_kernel: `_transposed_lists_kernel` (one Triton pass over the transposed mask: each
+        row partitioned and written once) instead of the XLA formulation (scans and a scatter);
+        default: on a GPU. Both give the same arrays.
 
     Returns:
       `(entries [B, K, Sb, G * Tb] int32, count [B, K, Sb] int32, whole [B, K, Sb] int32)`: entry
@@ -60,18 +64,25 @@ def transposed_lists(eff, q_lengths, kv_lengths, block_size: int, num_kv_heads: 
       (the kernel reads one entry ahead, so every slot holds a valid entry).
     """
     b, n, tb, sb = eff.shape
-    g = n // num_kv_heads
-    width = g * tb
+    # [B, K, Sb, G * Tb]: row (request, KV head, key block), entry g * Tb + r.
+    sel = eff.reshape(b, num_kv_heads, n // num_kv_heads, tb, sb).transpose(0, 1, 4, 2, 3)
+    sel = sel.reshape(b, num_kv_heads, sb, -1)
+    if on_gpu() if use_kernel is None else use_kernel:
+        return _transposed_lists_triton(sel, q_lengths, kv_lengths, block_size, tb)
+    return _transposed_lists_xla(sel, q_lengths, kv_lengths, block_size, tb)
+
+
+def _transposed_lists_xla(sel, q_lengths, kv_lengths, block_size, tb):
+    b, num_kv_heads, sb, width = sel.shape
+    g = width // tb
     r = jnp.arange(tb, dtype=jnp.int32)
     j = jnp.arange(sb, dtype=jnp.int32)
     first = (kv_lengths - q_lengths)[:, None] + r[None, :] * block_size  # [B, Tb]
     whole = (((r[None, :] + 1) * block_size <= q_lengths[:, None])[:, :, None]
              & ((j[None, :] + 1) * block_size <= kv_lengths[:, None])[:, None, :]
              & ((j + 1)[None, None, :] * block_size - 1 <= first[:, :, None]))  # [B, Tb, Sb]
-    sel = eff.reshape(b, num_kv_heads, g, tb, sb).transpose(0, 1, 4, 2, 3)  # [B, K, Sb, G, Tb]
-    whole = jnp.broadcast_to(whole.transpose(0, 2, 1)[:, None, :, None, :], sel.shape)
-    sel = sel.reshape(b, num_kv_heads, sb, width)
-    whole = whole.reshape(sel.shape)
+    whole = jnp.broadcast_to(whole.transpose(0, 2, 1)[:, None, :, None, :],
+                             (b, num_kv_heads, sb, g, tb)).reshape(sel.shape)
     w, m = sel & whole, sel & ~whole
     if width < 2**15:  # one scan: whole counts in the low 16 bits, masked counts above
         cs = jnp.cumsum(w.astype(jnp.int32) + (m.astype(jnp.int32) << 16), axis=-1)
@@ -93,6 +104,71 @@ def transposed_lists(eff, q_lengths, kv_lengths, block_size: int, num_kv_heads: 
         key = jnp.where(w, 0, jnp.where(m, 1, 2))
         entries = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
     return entries, count, num_whole
+
+
+_TRANSPOSED_ELEMENTS = 4096  # mask entries per program of `_transposed_lists_kernel`
+
+
+@triton.jit
+def _transposed_lists_kernel(
+    sel_ptr,  # [ROWS_ALL, W] int8 transposed block mask, rows (b, kh, j), entries g * TB + r
+    q_len_ptr,  # [B] int32
+    kv_len_ptr,  # [B] int32
+    entries_ptr,  # [ROWS_ALL, W] int32, out
+    count_ptr,  # [ROWS_ALL] int32, out
+    whole_ptr,  # [ROWS_ALL] int32, out
+    ROWS_ALL: tl.constexpr,
+    ROWS_PER_B: tl.constexpr,
+    SB: tl.constexpr,
+    TB: tl.constexpr,
+    W: tl.constexpr,
+    BS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """`_transposed_lists_xla` for `ROWS` rows: the same stable partition (whole pairs, masked
+    pairs, the rest, each ascending) as one scatter of each row's permutation, and the counts."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    e = tl.arange(0, BLOCK_W)  # [BLOCK_W]
+    row_ok = rows < ROWS_ALL
+    ok = row_ok[:, None] & (e < W)[None, :]
+    base = rows.to(tl.int64)[:, None] * W
+    sel = tl.load(sel_ptr + base + e[None, :], mask=ok, other=0) != 0
+    b = rows // ROWS_PER_B
+    q_len = tl.load(q_len_ptr + b, mask=row_ok, other=0)[:, None]
+    kv_len = tl.load(kv_len_ptr + b, mask=row_ok, other=0)[:, None]
+    j_end = ((rows % SB) + 1)[:, None] * BS  # one past the key block's last key
+    r = (e % TB)[None, :]
+    whole = (((r + 1) * BS <= q_len) & (j_end <= kv_len)
+             & (j_end - 1 <= kv_len - q_len + r * BS))  # [ROWS, BLOCK_W]
+    w = (sel & whole).to(tl.int32)
+    m = (sel & ~whole).to(tl.int32)
+    cw = tl.cumsum(w, axis=1)
+    cm = tl.cumsum(m, axis=1)
+    num_whole = tl.sum(w, axis=1)
+    count = num_whole + tl.sum(m, axis=1)
+    slot = tl.where(w != 0, cw - 1, tl.where(m != 0, num_whole[:, None] + cm - 1,
+                                             count[:, None] + e[None, :] - cw - cm))
+    tl.store(entries_ptr + base + slot, tl.broadcast_to(e[None, :], (ROWS, BLOCK_W)), mask=ok)
+    tl.store(count_ptr + rows, count, mask=row_ok)
+    tl.store(whole_ptr + rows, num_whole, mask=row_ok)
+
+
+def _transposed_lists_triton(sel, q_lengths, kv_lengths, block_size, tb):
+    b, kh, sb, width = sel.shape
+    rows = b * kh * sb
+    block_w = max(16, triton.next_power_of_2(width))
+    per_program = max(1, _TRANSPOSED_ELEMENTS // block_w)
+    entries, count, whole = triton_call(
+        sel.reshape(rows, width).astype(jnp.int8), q_lengths.astype(jnp.int32),
+        kv_lengths.astype(jnp.int32), kernel=_transposed_lists_kernel,
+        out_shape=(jax.ShapeDtypeStruct((rows, width), jnp.int32),
+                   jax.ShapeDtypeStruct((rows,), jnp.int32),
+                   jax.ShapeDtypeStruct((rows,), jnp.int32)),
+        grid=(triton.cdiv(rows, per_program),), num_warps=4 if block_w <= 4096 else 8,
+        ROWS_ALL=rows, ROWS_PER_B=kh * sb, SB=sb, TB=tb, W=width, BS=block_size,
+        ROWS=per_program, BLOCK_W=block_w)
+    return entries.reshape(sel.shape), count.reshape(sel.shape[:3]), whole.reshape(sel.shape[:3])
 
 
 def dkv_schedule(count, num_n: int, block_n: int, block_size: int, block_m: int,

@@ -174,20 +174,27 @@ def test_nan_a_row_does_not_see_reaches_none_of_its_gradients(what):
     assert_close(dv[dv_ok], np.asarray(exp[2])[dv_ok], atol=5e-5, rtol=5e-5, err_msg="dv")
 
 
-def test_transposed_lists_partition():
+@pytest.mark.parametrize("use_kernel,elements", [(False, None), (True, None), (True, 16)],
+                         ids=["xla", "triton", "triton-row-a-program"])
+def test_transposed_lists_partition(use_kernel, elements, monkeypatch):
     """Every row of the transposed lists: the selected (sibling, tile) pairs, the whole ones
     (every query of the tile valid and past the block, the block inside the keys) first, each
-    part ascending, then the unselected entries; a permutation of all entries."""
+    part ascending, then the unselected entries; a permutation of all entries. Both
+    formulations (the Triton one in its interpreter here; with `elements`, one row a
+    program)."""
+    if elements is not None:
+        monkeypatch.setattr(_triton_bwd, "_TRANSPOSED_ELEMENTS", elements)
     gen = rng()
-    b, n, kh, t, s, bs = 3, 6, 2, 70, 150, 16
+    b, n, kh, t, s, bs = 4, 6, 2, 70, 150, 16
     modes = jnp.asarray(gen.choice([0, 1, -1], (b, n)), jnp.int32)
     bm = jnp.asarray(gen.random((b, n, -(-t // bs), -(-s // bs))) < 0.5)
-    q_len, kv_len = np.array([70, 33, 64], np.int32), np.array([150, 100, 64], np.int32)
+    # The last request's key offset (15) puts a block's last key on a tile's first query.
+    q_len, kv_len = np.array([70, 33, 64, 49], np.int32), np.array([150, 100, 64, 64], np.int32)
     eff = effective_block_mask(modes, bm, num_q_tokens=t, num_kv_tokens=s, block_size=bs,
                                sink_blocks=1, local_blocks=2, q_lengths=jnp.asarray(q_len),
                                kv_lengths=jnp.asarray(kv_len))
     entries, count, whole = (np.asarray(x) for x in _triton_bwd.transposed_lists(
-        eff, jnp.asarray(q_len), jnp.asarray(kv_len), bs, kh))
+        eff, jnp.asarray(q_len), jnp.asarray(kv_len), bs, kh, use_kernel=use_kernel))
     eff = np.asarray(eff)
     g, tb, sb = n // kh, eff.shape[2], eff.shape[3]
     assert entries.shape == (b, kh, sb, g * tb)
