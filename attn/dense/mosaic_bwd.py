@@ -92,11 +92,13 @@ LOG2E = math.log2(math.e)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """`block_q` query rows a step, `block_kv` keys per warp group (a program owns
-    `2 * block_kv`), `stages` query-tile slots in shared memory."""
+    `2 * block_kv`), `stages` query-tile slots in shared memory; from `key_tiles_fastest_from`
+    keys on, programs launch key tile fastest rather than KV head fastest (see Speed)."""
 
     block_q: int = 64
     block_kv: int = 64
     stages: int = 2
+    key_tiles_fastest_from: int = 65536
     interpret: bool = False
 
     def __post_init__(self):
@@ -436,8 +438,14 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
             collective_axes="wg",
         )
 
-    mesh = plgpu.Mesh(grid=(num_kv, kh, b), grid_names=("kv_seq", "kv_heads", "batch"),
-                      num_threads=2, thread_name="wg")
+    # Consecutive programs differ in the last grid axis (CUDA's x). Key tile fastest puts the
+    # programs running together on neighbouring key tiles of one head, each two steps behind
+    # the next on the same query tiles: at long S that keeps Q / dO / dQ reuse in L2 (Speed).
+    if s >= config.key_tiles_fastest_from:
+        grid, names = (kh, b, num_kv), ("kv_heads", "batch", "kv_seq")
+    else:
+        grid, names = (num_kv, kh, b), ("kv_seq", "kv_heads", "batch")
+    mesh = plgpu.Mesh(grid=grid, grid_names=names, num_threads=2, thread_name="wg")
     grads_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
     params = plgpu.CompilerParams(approx_math=True)
     if interpret is None:
