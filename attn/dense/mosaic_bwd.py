@@ -55,13 +55,14 @@ reduction, so each program stores its partial dQ tiles into its own slice of a
 `[key tiles, B, T, N, H]` buffer that is summed afterwards (small shapes only).
 
 Speed (H100, N32 / K8 H128 bf16, forward + backward with the Mosaic forward,
-benchmarks/prefill.json): causal S8K / 16K / 32K 0.99x / 0.98x / 0.96x cuDNN's (backward 439 / 486
-/ 502 TFLOP/s against cuDNN's 450 / 512 / 534); window 2048 + 64 sinks at S8K 0.95x cuDNN's
-window without sinks. The Triton backward takes 1.1-1.2x as long at causal S8K-32K. At S128K
-the step runs (no S x S buffer) at 0.74x cuDNN's: per step the backward is 1.4x slower than at
-S32K while cuDNN's is flat; the likely cause, not yet measured, is L2: Q / dO / dQ tiles are
-reused in L2 only while the programs walking them stay in step, and programs of unequal length
-drift apart. Registers are the limit: at 255 per thread ptxas still spills a little
+benchmarks/prefill.json): causal S8K / 16K / 32K 0.99x / 0.97x / 0.97x cuDNN's (backward 436 / 477
+/ 496 TFLOP/s against cuDNN's 445 / 513 / 527); window 2048 + 64 sinks at S8K 0.93x cuDNN's
+window without sinks; S128K 0.99x (no S x S buffer; backward 504 TFLOP/s against 516). The Triton
+backward takes 1.1-1.2x as long at causal S8K-32K. Launch order matters at long S: Q / dO / dQ
+tiles are reused in L2 only while the programs walking them stay close. With KV head fastest, the
+S128K step took 0.94-1.32 s from call to call; key tile fastest (`Config.key_tiles_fastest_from`)
+runs it in 0.92 s every call, and is 3% slower at S8K (level at S16K-32K), hence the threshold.
+Registers are the limit: at 255 per thread ptxas still spills a little
 (`MOSAIC_GPU_DUMP_PTXAS=1` shows it). Getting dQ out (the shared-memory store and the
 reduce-add) is about a fifth of the causal backward at S8K-16K (the kernel without it: 2.5 ms
 against 3.2 at S8K); overlapping it with the next step's products keeps another dQ tile live, and
