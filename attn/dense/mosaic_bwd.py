@@ -61,7 +61,8 @@ window without sinks; S128K 0.99x (no S x S buffer; backward 504 TFLOP/s against
 backward takes 1.1-1.2x as long at causal S8K-32K. Launch order matters at long S: Q / dO / dQ
 tiles are reused in L2 only while the programs walking them stay close. With KV head fastest, the
 S128K step took 0.94-1.32 s from call to call; key tile fastest (`Config.key_tiles_fastest_from`)
-runs it in 0.92 s every call, and is 3% slower at S8K (level at S16K-32K), hence the threshold.
+runs it in 0.92 s every call; it is 1% faster at S64K, 1% slower at S32K and 3% at S8K, hence
+the threshold.
 Registers are the limit: at 255 per thread ptxas still spills a little
 (`MOSAIC_GPU_DUMP_PTXAS=1` shows it). Getting dQ out (the shared-memory store and the
 reduce-add) is about a fifth of the causal backward at S8K-16K (the kernel without it: 2.5 ms
