@@ -53,7 +53,8 @@ def transposed_lists(eff, q_lengths, kv_lengths, block_size: int, num_kv_heads: 
       num_kv_heads: K.
       use_kernel: `_transposed_lists_kernel` (one Triton pass over the transposed mask: each
         row partitioned and written once) instead of the XLA formulation (scans and a scatter);
-        default: on a GPU. Both give the same arrays.
+        default: on a GPU for rows of at most `_TRANSPOSED_MAX_WIDTH` entries (`G * Tb`; a row
+        is one program's registers). Both give the same arrays.
 
     Returns:
       `(entries [B, K, Sb, G * Tb] int32, count [B, K, Sb] int32, whole [B, K, Sb] int32)`: entry
@@ -67,7 +68,9 @@ def transposed_lists(eff, q_lengths, kv_lengths, block_size: int, num_kv_heads: 
     # [B, K, Sb, G * Tb]: row (request, KV head, key block), entry g * Tb + r.
     sel = eff.reshape(b, num_kv_heads, n // num_kv_heads, tb, sb).transpose(0, 1, 4, 2, 3)
     sel = sel.reshape(b, num_kv_heads, sb, -1)
-    if on_gpu() if use_kernel is None else use_kernel:
+    if use_kernel is None:
+        use_kernel = on_gpu() and sel.shape[-1] <= _TRANSPOSED_MAX_WIDTH
+    if use_kernel:
         return _transposed_lists_triton(sel, q_lengths, kv_lengths, block_size, tb)
     return _transposed_lists_xla(sel, q_lengths, kv_lengths, block_size, tb)
 
@@ -107,6 +110,7 @@ def _transposed_lists_xla(sel, q_lengths, kv_lengths, block_size, tb):
 
 
 _TRANSPOSED_ELEMENTS = 4096  # mask entries per program of `_transposed_lists_kernel`
+_TRANSPOSED_MAX_WIDTH = 8192  # the widest row it takes (G8 at S128K, blocks of 128)
 
 
 @triton.jit

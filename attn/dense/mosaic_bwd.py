@@ -9,13 +9,14 @@ TMA reduce-add (one bulk operation per tile, done in L2), which the Triton route
 jax-triton cannot express (its per-element atomics are slower than the second kernel).
 
 Programs: one per (key tile of `2 * block_kv` keys, KV head, request). Mosaic GPU launches the
-grid's last axis fastest: requests, then KV heads, then key tiles, the first (longest causal, and
-the sink tile) first. (Key tiles fastest, so that the programs running together share their
-queries in L2, measures the same.) Two warp groups, each owning `block_kv` keys: their K / V rows
-stay in shared memory and their dK / dV accumulate in registers over every query tile of every
-query head of the KV head (the heads of a group sum in registers: no dK / dV reduction
-afterwards). The query tiles (Q, dO and the rows' `lse`, `delta`) stream through a ring of
-`stages` shared-memory slots; group 0 issues their TMA copies.
+grid's last axis fastest. Below `Config.key_tiles_fastest_from` keys the order is requests, then KV
+heads, then key tiles, the first (longest causal, and the sink tile) first; from there on key tiles
+go fastest, so that the programs running together walk the same query tiles a couple of steps apart
+and share them in L2 (Speed). Two warp groups, each owning `block_kv` keys: their K / V rows stay in
+shared memory and their dK / dV accumulate in registers over every query tile of every query head of
+the KV head (the heads of a group sum in registers: no dK / dV reduction afterwards). The query
+tiles (Q, dO and the rows' `lse`, `delta`) stream through a ring of `stages` shared-memory slots;
+group 0 issues their TMA copies.
 
 Why two warp groups and no copy-only one (the forward's layout): ptxas allocates registers for
 the launch's thread count, not for what `setmaxnreg` grants later, so with three groups the
@@ -55,23 +56,21 @@ reduction, so each program stores its partial dQ tiles into its own slice of a
 `[key tiles, B, T, N, H]` buffer that is summed afterwards (small shapes only).
 
 Speed (H100, N32 / K8 H128 bf16, forward + backward with the Mosaic forward,
-benchmarks/prefill.json): causal S8K / 16K / 32K 0.99x / 0.97x / 0.97x cuDNN's (backward 436 / 477
-/ 496 TFLOP/s against cuDNN's 445 / 513 / 527); window 2048 + 64 sinks at S8K 0.93x cuDNN's
-window without sinks; S128K 0.99x (no S x S buffer; backward 504 TFLOP/s against 516). The Triton
-backward takes 1.1-1.2x as long at causal S8K-32K. Launch order matters at long S: Q / dO / dQ
-tiles are reused in L2 only while the programs walking them stay close. With KV head fastest, the
-S128K step took 0.94-1.32 s from call to call; key tile fastest (`Config.key_tiles_fastest_from`)
-runs it in 0.92 s every call; it is 1% faster at S64K, 1% slower at S32K and 3% at S8K, hence
-the threshold.
-Registers are the limit: at 255 per thread ptxas still spills a little
-(`MOSAIC_GPU_DUMP_PTXAS=1` shows it). Getting dQ out (the shared-memory store and the
-reduce-add) is about a fifth of the causal backward at S8K-16K (the kernel without it: 2.5 ms
-against 3.2 at S8K); overlapping it with the next step's products keeps another dQ tile live, and
-ptxas then serialises the wgmmas: freeing registers comes first. Where they go: the mask code of
-the masked steps is most of the spills (156 bytes causal, 292 with a window and sinks; 20
-without masks), and the per-step `lse` / `delta` row vectors cost about 7% of the causal forward
-+ backward at S8K-16K (without them the spills are 116 bytes, with neither none). A third
-shared-memory slot for the query tiles (`stages=3`) is slower.
+benchmarks/prefill.json): causal S8K / 16K / 32K 0.99x / 0.97x / 0.97x cuDNN's (backward 436 / 477 /
+496 TFLOP/s against cuDNN's 445 / 513 / 527); window 2048 + 64 sinks at S8K 0.93x cuDNN's window
+without sinks; S128K 0.99x (no S x S buffer; backward 504 TFLOP/s against 516). The Triton backward
+takes 1.1-1.2x as long at causal S8K-32K. Launch order matters at long S: Q / dO / dQ tiles are
+reused in L2 only while the programs walking them stay close. With KV head fastest, the S128K step
+took 0.94-1.32 s from call to call; key tile fastest (`Config.key_tiles_fastest_from`) runs it in
+0.92 s every call; it is 1% faster at S64K, 1% slower at S32K and 3% at S8K, hence the threshold.
+Registers are the limit: at 255 per thread ptxas still spills a little (`MOSAIC_GPU_DUMP_PTXAS=1`
+shows it). Getting dQ out (the shared-memory store and the reduce-add) is about a fifth of the
+causal backward at S8K-16K (the kernel without it: 2.5 ms against 3.2 at S8K); overlapping it with
+the next step's products keeps another dQ tile live, and ptxas then serialises the wgmmas: freeing
+registers comes first. Where they go: the mask code of the masked steps is most of the spills (156
+bytes causal, 292 with a window and sinks; 20 without masks), and the per-step `lse` / `delta` row
+vectors cost about 7% of the causal forward + backward at S8K-16K (without them the spills are 116
+bytes, with neither none). A third shared-memory slot for the query tiles (`stages=3`) is slower.
 """
 
 from __future__ import annotations

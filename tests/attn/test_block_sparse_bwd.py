@@ -321,3 +321,20 @@ def test_gpu_float32_head_dim_128():
     exp, _ = _grads([_clean(x) for x in qkv], modes, bm, cot, implementation="xla", **opts)
     for name, a, e in zip(("dq", "dk", "dv"), got, exp, strict=True):
         assert _rel(a, e) < 1e-4, (name, _rel(a, e))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g,tb", [(4, 256), (8, 1024)], ids=["width1024", "width8192"])
+def test_gpu_transposed_lists_kernel_matches_xla(g, tb):
+    """Compiled, the kernel's lists equal the XLA formulation's, up to the widest row it takes;
+    one request is shorter than the mask (partial tiles, a key offset)."""
+    gen = rng()
+    b, bs = 2, 16
+    assert g * tb <= _triton_bwd._TRANSPOSED_MAX_WIDTH
+    eff = jnp.asarray(gen.random((b, g, tb, tb)) < 0.3)
+    q_len = jnp.asarray([tb * bs, tb * bs - 37], jnp.int32)
+    kv_len = jnp.asarray([tb * bs, tb * bs - 21], jnp.int32)
+    got, want = (_triton_bwd.transposed_lists(eff, q_len, kv_len, bs, 1, use_kernel=kernel)
+                 for kernel in (True, False))
+    for name, a, w in zip(("entries", "count", "whole"), got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(w), err_msg=name)
