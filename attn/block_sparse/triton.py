@@ -89,7 +89,7 @@ class Config:
     dkv_block_m: int = 64
     dkv_block_n: int = 128
     dkv_num_warps: int = 8
-    dkv_num_stages: int = 3
+    dkv_num_stages: int = 4
     # Programs with more than a fair share of the dK / dV steps cut into chunks whose partial
     # sums are added by a second kernel (`_triton_bwd.dkv_schedule`); False: never cut.
     dkv_split: bool = True
@@ -107,12 +107,13 @@ def default_config(head_dim: int, value_head_dim: int | None = None, itemsize: i
     N32/K8/H128 bf16, S64K at density 0.1 7.63-7.82 ms (128 x 64 tiles or 4 stages 1-4% slower,
     warp specialisation +-0.5%); density 1.0 at 1.09-1.11x the dense flash. Backward: dQ 128
     queries x 64 keys, 8 warps, 3 stages (H100 S32K density 0.1: 2.35 ms, against 2.68 with 2
-    stages and 5.52 with 64 x 64); dK / dV 128 keys x 64 queries, 8 warps, 3 stages, heavy
-    programs cut (forward + backward 8.26 ms, against 8.55 with 2 stages, 9.60 uncut, 15.9 for
-    32 x 32 tiles over 4 warps). Wide rows (`dense._flash_tiles.wide_rows`: H > 128 in 16-bit
-    types, H > 64 in float32) take 32-key steps and 2 stages, as dense does, so the K / V stages
-    fit in shared memory. `python -m experiments.tools.sweep block_sparse_prefill` times
-    alternatives."""
+    stages and 5.52 with 64 x 64); dK / dV 128 keys x 64 queries, 8 warps, 4 stages (192 KiB),
+    heavy programs cut (forward + backward at S32K / S64K 8.00 / 29.93 ms, against 8.01-8.11 /
+    30.66-30.72 with 3 stages and 8.41 / 31.06 with 5; at S32K 2 stages take 1.04x as long as 3,
+    uncut programs 1.16x, 32 x 32 tiles over 4 warps 1.9x). Wide rows
+    (`dense._flash_tiles.wide_rows`: H > 128 in 16-bit types, H > 64 in float32) take 32-key
+    steps and 2 stages, as dense does, so the K / V stages fit in shared memory.
+    `python -m experiments.tools.sweep block_sparse_prefill` times alternatives."""
     if wide_rows(head_dim, value_head_dim, itemsize):
         return Config(block_m=128, block_n=32, num_stages=2, dq_block_m=64, dq_block_n=32,
                       dq_num_stages=2, dkv_block_m=32, dkv_block_n=32, dkv_num_stages=2)
