@@ -71,6 +71,10 @@ registers comes first. Where they go: the mask code of the masked steps is most 
 bytes causal, 292 with a window and sinks; 20 without masks), and the per-step `lse` / `delta` row
 vectors cost about 7% of the causal forward + backward at S8K-16K (without them the spills are 116
 bytes, with neither none). A third shared-memory slot for the query tiles (`stages=3`) is slower.
+With a window and sinks, a key tile holding sinks is walked by every query tile (`G T / block_q`
+steps, against `G (window + 2 block_kv) / block_q` for the others). Cut into one program per query
+head, with dK / dV partial sums added afterwards, it ran 5% slower at S8K, and the causal cases,
+which never cut, 1-2% slower for the extra index arithmetic: the tile stays one program.
 """
 
 from __future__ import annotations
