@@ -17,12 +17,21 @@ unaffected); differentiating such a backward again (a second derivative) reaches
 
 Not supported: autotuned kernels (pass explicit tile sizes) and `zeroed_outputs` given as a
 callable. The interpreter path is for correctness, not speed.
+
+Hopper without a GPU: `compile_for_hopper` compiles a kernel for sm_90 with Triton's compiler and
+its bundled ptxas (shared memory, PTX, registers through `ptxas -v`), and inside
+`recorded_launches()` tracing an op records each launch (kernel, argument types, constants, warps,
+stages) for it, so a CPU machine can tell whether an op's tiles fit in a Hopper block's shared
+memory (`python -m experiments.tools.hopper_fit`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -84,6 +93,8 @@ def triton_call(
         tangent; the launch has no derivative (see the module docstring).
     """
     array_pos = tuple(i for i, a in enumerate(args) if isinstance(a, jax.Array | np.ndarray))
+    if _recording is not None:
+        _recording.append(Launch.of(kernel, args, out_shape, num_warps, num_stages, metaparams))
 
     def launch(*arrays):
         full = list(args)
@@ -96,6 +107,121 @@ def triton_call(
     guarded = jax.custom_jvp(launch)
     guarded.defjvp(functools.partial(_no_derivative, op=name or _kernel_name(kernel)))
     return guarded(*(args[i] for i in array_pos))
+
+
+# Triton's names of the element types of pointer and scalar arguments.
+_TRITON_TYPES = {
+    jnp.dtype(jnp.float32): "fp32", jnp.dtype(jnp.float16): "fp16",
+    jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float8_e4m3fn): "fp8e4nv",
+    jnp.dtype(jnp.float8_e5m2): "fp8e5", jnp.dtype(jnp.int64): "i64",
+    jnp.dtype(jnp.int32): "i32", jnp.dtype(jnp.int16): "i16", jnp.dtype(jnp.int8): "i8",
+    jnp.dtype(jnp.uint32): "u32", jnp.dtype(jnp.uint8): "u8", jnp.dtype(jnp.bool_): "i1",
+}
+# Per-block shared memory an sm_90 kernel may use (the H100's and H200's 227 KiB opt-in limit).
+HOPPER_SHARED_MEMORY = 232448
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One `triton_call` as Triton compiles it: the kernel, each runtime parameter's Triton type
+    (`*bf16` a pointer, `i32` a scalar), the `tl.constexpr` values (defaults filled in), warps
+    and stages."""
+
+    kernel: Any
+    signature: tuple[tuple[str, str], ...]
+    constexprs: tuple[tuple[str, Any], ...]
+    num_warps: int
+    num_stages: int
+
+    @property
+    def name(self) -> str:
+        return _kernel_name(self.kernel).rsplit(".", 1)[-1]
+
+    @classmethod
+    def of(cls, kernel, args, out_shape, num_warps, num_stages, metaparams) -> Launch:
+        outs = (out_shape,) if isinstance(out_shape, jax.ShapeDtypeStruct) else tuple(out_shape)
+        types = [_triton_type(a) for a in args] + ["*" + _TRITON_TYPES[jnp.dtype(o.dtype)]
+                                                   for o in outs]
+        params = inspect.signature(getattr(kernel, "fn", kernel)).parameters
+        runtime = [n for n in params if n not in metaparams and not _is_constexpr(params[n])]
+        if len(runtime) != len(types):
+            raise ValueError(f"{_kernel_name(kernel)}: {len(types)} arguments and outputs for "
+                             f"{len(runtime)} runtime parameters {runtime}")
+        constexprs = {n: p.default for n, p in params.items()
+                      if _is_constexpr(p) and p.default is not inspect.Parameter.empty}
+        constexprs.update(metaparams)
+        return cls(kernel, tuple(zip(runtime, types)), tuple(sorted(constexprs.items())),
+                   num_warps, num_stages)
+
+
+def _is_constexpr(param: inspect.Parameter) -> bool:
+    return "constexpr" in str(param.annotation)
+
+
+def _triton_type(arg) -> str:
+    if isinstance(arg, bool):
+        return "i1"
+    if isinstance(arg, int):
+        return "i32" if -(2**31) <= arg < 2**31 else "i64"
+    if isinstance(arg, float):
+        return "fp32"
+    return "*" + _TRITON_TYPES[jnp.dtype(arg.dtype)]
+
+
+_recording: list[Launch] | None = None
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[Launch]]:
+    """Records the `Launch` of every `triton_call` traced inside (`jax.eval_shape` of an op, or
+    of its gradient, traces them all without running anything)."""
+    global _recording
+    outer, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = outer
+
+
+def compile_for_hopper(kernel: Any, signature: Mapping[str, str], constexprs: Mapping[str, Any],
+                       *, num_warps: int, num_stages: int):
+    """`kernel` compiled for sm_90 (H100 / H200) by Triton's compiler and its bundled ptxas, on
+    any machine (no GPU needed): the `triton.compiler.CompiledKernel` (`.metadata.shared` bytes of
+    shared memory a block, `.asm["ptx"]`, `.asm["cubin"]`).
+
+    Args:
+      kernel: a `@triton.jit` function; compiled, not interpreted (a process started with
+        `TRITON_INTERPRET=0`: Triton decides at import, and `attn` picks the interpreter on a
+        machine without a GPU).
+      signature: the Triton type of each runtime parameter (`*bf16` a pointer, `i32` a scalar).
+      constexprs: every `tl.constexpr` parameter's value.
+      num_warps, num_stages: as at launch.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not isinstance(kernel, triton.runtime.JITFunction):
+        raise TypeError(f"{_kernel_name(kernel)} is {type(kernel).__name__}, not a compiled "
+                        "JITFunction: start the process with TRITON_INTERPRET=0")
+    names = list(kernel.arg_names)
+    # jax-triton declares every pointer 16-byte aligned (XLA's buffers are): without it Triton
+    # neither vectorises the loads nor stages 16-bit tiles through asynchronous copies.
+    aligned = {(names.index(n),): [["tt.divisibility", 16]]
+               for n, t in signature.items() if t.startswith("*")}
+    source = ASTSource(fn=kernel, signature={n: signature.get(n, "constexpr") for n in names},
+                       constexprs=dict(constexprs), attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+@functools.cache
+def hopper_shared_memory(launch: Launch) -> int:
+    """Bytes of shared memory a block of `launch` takes on sm_90 (`compile_for_hopper`); at most
+    `HOPPER_SHARED_MEMORY` launches."""
+    compiled = compile_for_hopper(launch.kernel, dict(launch.signature), dict(launch.constexprs),
+                                  num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return int(compiled.metadata.shared)
 
 
 def _kernel_name(kernel: Any) -> str:

@@ -174,22 +174,14 @@ _SM90_SCRIPT = r"""
 import importlib, json, os, re, subprocess, sys, tempfile
 os.environ["TRITON_INTERPRET"] = "0"
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from attn._harness import compile_for_hopper
 
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 for job in json.load(sys.stdin):
     module, name = job["kernel"].split(":")
     fn = getattr(importlib.import_module(module), name)
-    consts = job["constexprs"]
-    sig = {n: "constexpr" if n in consts else job["pointers"][n] for n in fn.arg_names}
-    # jax-triton declares every array argument 16-byte aligned (`tt.divisibility = 16`); without
-    # it loads do not vectorise and loops are not software-pipelined.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=job["num_warps"], num_stages=job["num_stages"]))
+    k = compile_for_hopper(fn, job["pointers"], job["constexprs"], num_warps=job["num_warps"],
+                           num_stages=job["num_stages"])
     ptx = k.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)

@@ -112,11 +112,15 @@ def default_config(head_dim: int, value_head_dim: int | None = None, itemsize: i
     30.66-30.72 with 3 stages and 8.41 / 31.06 with 5; at S32K 2 stages take 1.04x as long as 3,
     uncut programs 1.16x, 32 x 32 tiles over 4 warps 1.9x). Wide rows
     (`dense._flash_tiles.wide_rows`: H > 128 in 16-bit types, H > 64 in float32) take 32-key
-    steps and 2 stages, as dense does, so the K / V stages fit in shared memory.
+    steps and 2 stages, as dense does, so the K / V stages fit in shared memory; float32 rows of
+    256 bytes (H64) 2 forward stages (3 need 256 KiB; `python -m experiments.tools.hopper_fit`
+    prints each launch's shared memory).
     `python -m experiments.tools.sweep block_sparse_prefill` times alternatives."""
     if wide_rows(head_dim, value_head_dim, itemsize):
         return Config(block_m=128, block_n=32, num_stages=2, dq_block_m=64, dq_block_n=32,
                       dq_num_stages=2, dkv_block_m=32, dkv_block_n=32, dkv_num_stages=2)
+    if itemsize > 2:
+        return Config(num_stages=2)
     return Config()
 
 

@@ -102,11 +102,16 @@ def default_config(head_dim: int, value_head_dim: int | None = None, itemsize: i
     the inputs' element size: H > 128 in bf16 / f16, H > 64 in float32) take 32-key tiles and 2
     stages, unspecialised, so the K/V stages fit in shared memory (at H128 float32 the 16-bit
     tiles need 289-448 KiB of the H100's 227).
+    float32 rows of 256 bytes (H64) take 2 forward stages: with float32 scores the 128 x 128
+    forward needs 256 KiB in 3 (`python -m experiments.tools.hopper_fit` compiles the launches for
+    sm_90 and prints their shared memory).
     `python -m experiments.tools.sweep flash_prefill` (`flash_prefill_bwd`) times alternatives."""
     if wide_rows(head_dim, value_head_dim, itemsize):
         return Config(block_m=128, block_n=32, num_warps=8, num_stages=2, dkv_block_m=32,
                       dkv_block_n=32, dq_block_m=32, dq_block_n=32, bwd_num_stages=2,
                       warp_specialize=False)
+    if itemsize > 2:
+        return Config(num_stages=2)
     return Config()
 
 

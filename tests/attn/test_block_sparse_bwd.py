@@ -309,12 +309,16 @@ def test_gpu_grads_match_reference(g, density, implementation):
 
 
 @pytest.mark.gpu
-def test_gpu_float32_head_dim_128():
-    """float32 inputs at H128 (the Triton kernels' float32 tiles, which fit in shared memory):
-    gradients close to the reference's."""
+@pytest.mark.parametrize("h", [64, 128])
+def test_gpu_float32(h):
+    """float32 inputs, compiled: at H64 the default backward tiles (the dK / dV stages take as
+    much shared memory as bf16 at H128) and a 2-stage forward, at H128 the wide-rows config.
+    Gradients close to the reference's."""
+    cfg = kernel.default_config(h, h, 4)
+    assert (cfg.dkv_num_stages == kernel.Config().dkv_num_stages) == (h == 64)
     gen = rng()
     qkv, modes, bm, lens, cot = _problem(
-        gen, b=1, t=1000, s=1000, n=8, kh=2, bs=128, h=128, hv=128, dtype=jnp.float32,
+        gen, b=1, t=1000, s=1000, n=8, kh=2, bs=128, h=h, hv=h, dtype=jnp.float32,
         density=0.3)
     opts = dict(block_size=128, sink_blocks=1, local_blocks=2, **lens)
     got, _ = jax.jit(lambda *x: _grads(x, modes, bm, cot, implementation="triton", **opts))(*qkv)

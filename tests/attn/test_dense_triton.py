@@ -8,12 +8,15 @@ are NaN-poisoned wherever lengths are given.
 """
 
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import attn
+from attn._harness import HOPPER_SHARED_MEMORY
 from attn.dense import attention
 from attn.dense import triton as kernel
 from tests.utils import (
@@ -114,7 +117,11 @@ def test_wide_rows_take_the_small_tiles():
         assert module.default_config(128, 128, 2).block_n > 32, module.__name__
         for h, itemsize in ((256, 2), (128, 4), (96, 4)):
             assert module.default_config(h, h, itemsize).block_n == 32, (module.__name__, h)
-        assert module.default_config(64, 64, 4) == module.default_config(64, 64, 2)
+        # float32 at H64: the 16-bit tiles; the forward in 2 stages where 3 would not fit
+        # (`test_float32_head_dim_64_forward_fits_shared_memory`).
+        f32, bf16 = module.default_config(64, 64, 4), module.default_config(64, 64, 2)
+        stages = 3 if module is triton_paged else 2
+        assert f32 == dataclasses.replace(bf16, num_stages=stages), module.__name__
     q = jnp.zeros((1, 8, 2, 128), jnp.float32)
     args = dict(q=q, v=q)
     assert api._flash_config("triton")(args) == kernel.default_config(128, 128, 4)
@@ -193,13 +200,13 @@ def test_unsupported_and_config_validation():
         kernel.Config(num_stages=0)
 
 
-def _sm90_jobs(cfg=None, dtype="bf16"):
+def _sm90_jobs(cfg=None, dtype="bf16", h=128):
     """The forward and both backward kernels at `cfg` (default: the bf16 default tiles), B1 S8K
-    N32 / K8 H128 causal, `dtype` inputs (`compile_for_sm90` jobs)."""
+    N32 / K8 causal, head dim `h`, `dtype` inputs (`compile_for_sm90` jobs)."""
     from attn.dense import _flash_bwd as kb
 
-    cfg = cfg or kernel.default_config(128)
-    dims = dict(B=1, T=8192, S=8192, K=8, G=4, H=128, HV=128, BLOCK_H=128, BLOCK_HV=128,
+    cfg = cfg or kernel.default_config(h)
+    dims = dict(B=1, T=8192, S=8192, K=8, G=4, H=h, HV=h, BLOCK_H=h, BLOCK_HV=h,
                 PRECISION="ieee" if dtype == "fp32" else "tf32", CAUSAL=True)
     fwd = dict(SCALE_LOG2=0.13, NUM_M=-(-8192 * 4 // cfg.block_m), BLOCK_M=cfg.block_m,
                BLOCK_N=cfg.block_n, CAP=0.0)
@@ -229,7 +236,19 @@ def test_float32_default_tiles_fit_shared_memory():
     """float32 at H128 (FMA dots, big rows): the default tiles of the three kernels fit in an
     H100's 227 KiB of shared memory per block (the 16-bit tiles need 289-448 KiB)."""
     for r in compile_for_sm90(_sm90_jobs(kernel.default_config(128, 128, 4), "fp32")):
-        assert r["shared"] <= 227 * 1024, r
+        assert r["shared"] <= HOPPER_SHARED_MEMORY, r
+
+
+@pytest.mark.slow
+def test_float32_head_dim_64_forward_fits_shared_memory():
+    """float32 at H64 keeps the 128 x 128 forward tiles in 2 stages: 3 would ask the GPU for more
+    shared memory than a Hopper block has, and the launch would fail."""
+    cfg = kernel.default_config(64, 64, 4)
+    forward = _sm90_jobs(cfg, "fp32", h=64)[:1]
+    three_stages = [dict(forward[0], num_stages=3)]
+    fits, too_big = compile_for_sm90(forward + three_stages)
+    assert cfg.num_stages == 2 and fits["shared"] <= HOPPER_SHARED_MEMORY, fits
+    assert too_big["shared"] > HOPPER_SHARED_MEMORY, too_big
 
 
 @pytest.mark.slow
@@ -287,10 +306,12 @@ def test_gpu_matches_reference(name):
 
 
 @pytest.mark.gpu
-def test_gpu_float32_head_dim_128_forward_and_backward():
-    """float32 inputs at H128 through `attention(implementation="auto")` (the Triton kernels at
-    their float32 tiles): out and every gradient close to the XLA reference's."""
-    q, k, v = _qkv(rng(), b=1, t=1000, s=1000, kh=4, g=4, h=128, hv=128, dtype=jnp.float32)
+@pytest.mark.parametrize("h", [64, 128])
+def test_gpu_float32_forward_and_backward(h):
+    """float32 inputs through `attention(implementation="auto")` (the Triton kernels at their
+    float32 tiles: 2 forward stages at H64, the wide-rows tiles at H128): out and every gradient
+    close to the XLA reference's."""
+    q, k, v = _qkv(rng(), b=1, t=1000, s=1000, kh=4, g=4, h=h, hv=h, dtype=jnp.float32)
     d_out = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
 
     def loss(impl):

@@ -1,0 +1,117 @@
+"""Shared memory of the Triton launches, compiled for Hopper (sm_90) on any machine: whether each
+op's default tiles fit in an H100 / H200 block's 227 KiB at a dtype and head dim, without a GPU.
+
+    python -m experiments.tools.hopper_fit [--ops dense,block_sparse,paged_prefill]
+        [--dtypes bfloat16,float32] [--heads 64,128]
+
+Each op is traced (`jax.eval_shape`, forward and, where it has one, gradient) at a small shape
+with `attn._harness.recorded_launches`; each distinct launch is compiled by Triton's compiler and
+ptxas (`attn._harness.hopper_shared_memory`, a few seconds each). Prints one row per launch and
+exits 1 if any needs more than `attn._harness.HOPPER_SHARED_MEMORY` (the GPU would refuse it at
+launch: "Shared memory requested ... exceeds device resources"). Tile choices depend on the dtype
+and head dim (`attn.dense._flash_tiles.wide_rows`), not on the sequence lengths.
+
+Triton must compile here, not interpret: the tool sets `TRITON_INTERPRET=0` before anything
+imports triton, so run it as its own process (`tests/attn/test_hopper_fit.py` does).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "0"  # before `attn` decides for the CPU interpreter
+
+import argparse
+import sys
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from attn import _harness
+from attn.block_sparse import block_sparse_attention
+from attn.dense import attention, paged_prefill_attention
+
+_T, _N, _K, _PAGE = 512, 8, 2, 64  # shapes to trace at: the tiles do not depend on them
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _dense(dtype, h):
+    def fn(q, k, v):
+        return attention(q, k, v, causal=True, implementation="triton")[0]
+    return fn, (_sds((1, _T, _N, h), dtype), *[_sds((1, _T, _K, h), dtype)] * 2), True
+
+
+def _block_sparse(dtype, h):
+    modes = jnp.ones((1, _N), jnp.int32)
+    mask = jnp.ones((1, _N, _T // 128, _T // 128), bool)
+
+    def fn(q, k, v):
+        return block_sparse_attention(q, k, v, modes, mask, block_size=128,
+                                      implementation="triton")[0]
+    return fn, (_sds((1, _T, _N, h), dtype), *[_sds((1, _T, _K, h), dtype)] * 2), True
+
+
+def _paged_prefill(dtype, h):
+    pages = _T // _PAGE
+    tables = jnp.broadcast_to(jnp.arange(pages, dtype=jnp.int32), (1, _K, pages))
+
+    def fn(q, k_pages, v_pages):
+        return paged_prefill_attention(q, k_pages, v_pages, tables, 0,
+                                       jnp.full((1,), _T, jnp.int32),
+                                       implementation="triton")[0]
+    # Its gradient is the reference's: no Triton launch.
+    return fn, (_sds((1, _T, _N, h), dtype), *[_sds((_K, pages, _PAGE, h), dtype)] * 2), False
+
+
+OPS: dict[str, Callable] = {"dense": _dense, "block_sparse": _block_sparse,
+                            "paged_prefill": _paged_prefill}
+
+
+def launches(op: str, dtype, h: int, *, grad: bool = True) -> list[_harness.Launch]:
+    """The distinct Triton launches of `op`'s forward (and with `grad` its gradient's) at
+    `dtype` and head dim `h`, in trace order."""
+    fn, args, differentiable = OPS[op](dtype, h)
+    if grad and differentiable:
+        def traced(*primals):
+            out, vjp = jax.vjp(fn, *primals)
+            return out, vjp(jnp.ones_like(out))
+    else:
+        traced = fn
+    with _harness.recorded_launches() as recorded:
+        jax.eval_shape(traced, *args)
+    return list(dict.fromkeys(recorded))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--heads", default="64,128")
+    args = parser.parse_args(argv)
+    limit = _harness.HOPPER_SHARED_MEMORY
+    print(f"{'op':14s} {'dtype':9s} {'H':>4s}  {'kernel':28s} {'warps':>5s} {'stages':>6s} "
+          f"{'shared KiB':>10s}  fits ({limit // 1024} KiB)", flush=True)
+    over = 0
+    for op in args.ops.split(","):
+        if op not in OPS:
+            parser.error(f"--ops: {op!r} is not one of {sorted(OPS)}")
+        for dtype_name in args.dtypes.split(","):
+            dtype = jnp.dtype(dtype_name)
+            for h in (int(x) for x in args.heads.split(",")):
+                for launch in launches(op, dtype, h):
+                    shared = _harness.hopper_shared_memory(launch)
+                    over += shared > limit
+                    print(f"{op:14s} {dtype_name:9s} {h:4d}  {launch.name:28s} "
+                          f"{launch.num_warps:5d} {launch.num_stages:6d} {shared / 1024:10.1f}  "
+                          f"{'yes' if shared <= limit else 'NO'}", flush=True)
+    if over:
+        print(f"{over} launch(es) need more shared memory than a Hopper block has")
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
