@@ -91,7 +91,9 @@ def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1, *,
 
     Three stages matter because Triton issues a step's async copies for the next chunk at the end
     of the step, after its dots: with two, every step opens by waiting out a whole copy latency.
-    `h` and `itemsize` (of the intermediates: 4 on the float32 path) size the shared memory.
+    `h` and `itemsize` (of the intermediates: 4 on the float32 path) size the shared memory:
+    rows over 256 bytes (float32 at H128) also take 32-wide dqk value steps, since 64-wide ones
+    need 288 KiB there (`python -m experiments.tools.hopper_fit --ops gdn_chunked`).
     """
     majors = dict(state_slice_major=num_seqs <= GRID_YZ_MAX,
                   intra_head_major=num_chunks <= GRID_YZ_MAX)
@@ -106,8 +108,9 @@ def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1, *,
             if state_smem(h, min(w, max(16, triton.next_power_of_2(hv))), itemsize, s)
             <= facts.shared_memory]
     _, width, stages = min(fits, key=lambda f: (f[0], -f[2], f[1])) if fits else (0, 32, 2)
+    wide_rows = max(16, triton.next_power_of_2(h)) * itemsize > 256
     return Config(block_hv_state=width, state_warps=4, state_stages=stages, intra_pairs=pairs,
-                  **majors)
+                  dqk_block_v=32 if wide_rows else 64, **majors)
 
 
 def intra_grid(config: Config, nv: int, n_chunks: int) -> tuple[int, int]:

@@ -450,6 +450,12 @@ def test_default_config_shared_memory_decides_the_stages():
     assert cfg.state_smem(256, 32, 2, 3) > device_facts().shared_memory
     small = tc.default_config(2, 4, 32, nk=2, h=32)  # Hv 32: one slice whatever the width
     assert small.state_stages == 3
+    # The backward's dqk value steps: 64 wide, 32 where rows pass 256 bytes (64-wide steps ask
+    # for 288 KiB at float32 H128; `experiments.tools.hopper_fit` compiles and measures them).
+    assert tc.default_config(1, 32, 128, nk=16).dqk_block_v == 64
+    assert tc.default_config(1, 4, 64, nk=2, h=64, itemsize=4).dqk_block_v == 64
+    for config in (f32, wide):
+        assert config.dqk_block_v == 32
 
 
 def test_default_config_reads_the_device(monkeypatch):
