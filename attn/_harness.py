@@ -174,8 +174,10 @@ _recording: list[Launch] | None = None
 @contextlib.contextmanager
 def recorded_launches() -> Iterator[list[Launch]]:
     """Records the `Launch` of every `triton_call` traced inside (`jax.eval_shape` of an op, or
-    of its gradient, traces them all without running anything)."""
+    of its gradient, traces them all without running anything). Clears JAX's caches first: a
+    jitted function traced before at the same shapes would not be traced, nor its launches seen."""
     global _recording
+    jax.clear_caches()
     outer, _recording = _recording, []
     try:
         yield _recording

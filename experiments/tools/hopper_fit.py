@@ -1,7 +1,7 @@
 """Shared memory of the Triton launches, compiled for Hopper (sm_90) on any machine: whether each
 op's default tiles fit in an H100 / H200 block's 227 KiB at a dtype and head dim, without a GPU.
 
-    python -m experiments.tools.hopper_fit [--ops dense,block_sparse,paged_prefill]
+    python -m experiments.tools.hopper_fit [--ops dense,block_sparse,...]
         [--dtypes bfloat16,float32] [--heads 64,128]
 
 Each op is traced (`jax.eval_shape`, forward and, where it has one, gradient) at a small shape
@@ -31,6 +31,10 @@ import jax.numpy as jnp
 from attn import _harness
 from attn.block_sparse import block_sparse_attention
 from attn.dense import attention, paged_prefill_attention
+from attn.gdn import gdn_chunked
+from attn.mla import mla_paged_decode
+from attn.paged_decode import paged_decode
+from attn.xattention import xattn_estimate
 
 _T, _N, _K, _PAGE = 512, 8, 2, 64  # shapes to trace at: the tiles do not depend on them
 
@@ -67,8 +71,48 @@ def _paged_prefill(dtype, h):
     return fn, (_sds((1, _T, _N, h), dtype), *[_sds((_K, pages, _PAGE, h), dtype)] * 2), False
 
 
+def _paged_decode(dtype, h):  # forward only; 4 splits: the partials and their merge
+    pages = _T // _PAGE
+    tables = jnp.broadcast_to(jnp.arange(pages, dtype=jnp.int32), (2, _K, pages))
+
+    def fn(q, k_pages, v_pages):
+        return paged_decode(q, k_pages, v_pages, tables, jnp.asarray([_T, _T // 2], jnp.int32),
+                            num_splits=4, implementation="triton")[0]
+    return fn, (_sds((2, _N, h), dtype), *[_sds((_K, pages, _PAGE, h), dtype)] * 2), False
+
+
+def _xattn_estimate(dtype, h):  # forward only (a block mask)
+    def fn(q, k):
+        return xattn_estimate(q, k, implementation="triton")[0]
+    return fn, (_sds((1, _T, _N, h), dtype), _sds((1, _T, _K, h), dtype)), False
+
+
+def _gdn_chunked(dtype, h):
+    f32 = jnp.float32
+
+    def fn(q, k, v, g, beta):
+        return gdn_chunked(q, k, v, g, beta, use_qk_l2norm=True, implementation="triton")[0]
+    return fn, (*[_sds((1, _T, _K, h), dtype)] * 2, _sds((1, _T, _N, h), dtype),
+                *[_sds((1, _T, _N), f32)] * 2), True
+
+
+def _mla_decode(dtype, h):  # DeepSeek's latent 512 + rope 64 at every head dim; forward only
+    del h
+    latent, rope, pages = 512, 64, _T // _PAGE
+    tables = jnp.arange(2 * pages, dtype=jnp.int32).reshape(2, pages)
+
+    def fn(q_lat, q_pe, latent_pages):
+        return mla_paged_decode(q_lat, q_pe, latent_pages, tables,
+                                jnp.asarray([_T, _T // 2], jnp.int32), kv_lora_rank=latent,
+                                num_splits=4, implementation="triton")[0]
+    return fn, (_sds((2, _N, latent), dtype), _sds((2, _N, rope), dtype),
+                _sds((2 * pages + 1, _PAGE, latent + rope), dtype)), False
+
+
 OPS: dict[str, Callable] = {"dense": _dense, "block_sparse": _block_sparse,
-                            "paged_prefill": _paged_prefill}
+                            "paged_prefill": _paged_prefill, "paged_decode": _paged_decode,
+                            "xattn_estimate": _xattn_estimate, "gdn_chunked": _gdn_chunked,
+                            "mla_decode": _mla_decode}
 
 
 def launches(op: str, dtype, h: int, *, grad: bool = True) -> list[_harness.Launch]:

@@ -1,6 +1,6 @@
 """Launches recorded while tracing (`attn._harness.recorded_launches`) and the Hopper fit tool
-(`experiments.tools.hopper_fit`): every Triton launch of the attention ops fits in an sm_90
-block's shared memory at the dtypes and head dims whose tiles differ."""
+(`experiments.tools.hopper_fit`): every Triton launch of the ops fits in an sm_90 block's shared
+memory at the dtypes and head dims whose tiles differ."""
 
 import os
 import subprocess
@@ -59,8 +59,9 @@ def test_launch_of_types_scalars_and_defaults():
 
 @pytest.mark.slow
 def test_every_attention_launch_fits_hopper_shared_memory():
-    """Dense, block-sparse and paged prefill, bf16 and float32, H64 and H128, forward and
-    gradient: compiled for sm_90, no launch asks for more than 227 KiB."""
+    """Every op of `experiments.tools.hopper_fit` (dense, block-sparse, paged prefill and
+    decode, the XAttention estimate, GDN chunked, MLA decode), bf16 and float32, H64 and H128,
+    forward and gradient: compiled for sm_90, no launch asks for more than 227 KiB."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("JAX_PLATFORMS", "cpu")
     done = subprocess.run([sys.executable, "-m", "experiments.tools.hopper_fit"], env=env,
