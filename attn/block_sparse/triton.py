@@ -117,8 +117,10 @@ def default_config(head_dim: int, value_head_dim: int | None = None, itemsize: i
     prints each launch's shared memory).
     `python -m experiments.tools.sweep block_sparse_prefill` times alternatives."""
     if wide_rows(head_dim, value_head_dim, itemsize):
-        return Config(block_m=128, block_n=32, num_stages=2, dq_block_m=64, dq_block_n=32,
-                      dq_num_stages=2, dkv_block_m=32, dkv_block_n=32, dkv_num_stages=2)
+        rows = 2 if wide_rows(head_dim, value_head_dim, itemsize, over=512) else 1  # f32 H256
+        return Config(block_m=128 // rows, block_n=32, num_stages=2, dq_block_m=64 // rows,
+                      dq_block_n=32, dq_num_stages=2, dkv_block_m=32, dkv_block_n=32,
+                      dkv_num_stages=2)
     if itemsize > 2:
         return Config(num_stages=2)
     return Config()

@@ -94,10 +94,12 @@ def _drop_nonfinite(v):
     return tl.where(v_bad, 0.0, v), key_bad
 
 
-def wide_rows(head_dim: int, value_head_dim: int | None = None, itemsize: int = 2) -> bool:
-    """Whether a Q / K / V row is over 256 bytes (`itemsize`: the element size), where the Hopper
-    tiles of 128 keys and 3 stages no longer fit in shared memory."""
-    return max(head_dim, value_head_dim or head_dim) * itemsize > 256
+def wide_rows(head_dim: int, value_head_dim: int | None = None, itemsize: int = 2, *,
+              over: int = 256) -> bool:
+    """Whether a Q / K / V row is over `over` bytes (`itemsize`: the element size). Over 256, the
+    Hopper tiles of 128 keys and 3 stages no longer fit in shared memory; over 512 (float32 at
+    H256), not even 128 query rows with two stages of 32 keys (240 KiB)."""
+    return max(head_dim, value_head_dim or head_dim) * itemsize > over
 
 
 def _shapes(q, k, v):

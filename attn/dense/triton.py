@@ -106,8 +106,9 @@ def default_config(head_dim: int, value_head_dim: int | None = None, itemsize: i
     forward needs 256 KiB in 3 (`python -m experiments.tools.hopper_fit` compiles the launches for
     sm_90 and prints their shared memory).
     `python -m experiments.tools.sweep flash_prefill` (`flash_prefill_bwd`) times alternatives."""
-    if wide_rows(head_dim, value_head_dim, itemsize):
-        return Config(block_m=128, block_n=32, num_warps=8, num_stages=2, dkv_block_m=32,
+    if wide_rows(head_dim, value_head_dim, itemsize):  # float32 H256: 64 query rows
+        block_m = 64 if wide_rows(head_dim, value_head_dim, itemsize, over=512) else 128
+        return Config(block_m=block_m, block_n=32, num_warps=8, num_stages=2, dkv_block_m=32,
                       dkv_block_n=32, dq_block_m=32, dq_block_n=32, bwd_num_stages=2,
                       warp_specialize=False)
     if itemsize > 2:

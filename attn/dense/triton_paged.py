@@ -82,8 +82,9 @@ def default_config(head_dim: int, value_head_dim: int | None = None, itemsize: i
     32-key tiles and 2 stages so the K/V stages fit in shared memory. `python -m
     experiments.tools.sweep paged_prefill` times alternatives (`python -m experiments.bench
     prefill --rows paged_prefill`: this one)."""
-    if wide_rows(head_dim, value_head_dim, itemsize):
-        return Config(block_m=128, block_n=32, num_warps=8, num_stages=2)
+    if wide_rows(head_dim, value_head_dim, itemsize):  # float32 H256: 64 query rows
+        block_m = 64 if wide_rows(head_dim, value_head_dim, itemsize, over=512) else 128
+        return Config(block_m=block_m, block_n=32, num_warps=8, num_stages=2)
     return Config()
 
 

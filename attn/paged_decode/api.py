@@ -142,7 +142,8 @@ def _triton_config(args):
 
     q, pages, tables = args["q"], args["k_pages"], args["block_tables"]
     return kernel.default_config(q.shape[0], pages.shape[0], tables.shape[-1] * pages.shape[2],
-                                 fp8=args["k_scales"] is not None)
+                                 fp8=args["k_scales"] is not None,
+                                 row_bytes=kernel.row_bytes(pages, args["v_pages"]))
 
 
 _BACKENDS = (

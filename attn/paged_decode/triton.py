@@ -59,18 +59,26 @@ class Config:
             raise ValueError(f"{self.fp8_compute=} must be 'float16' or 'bfloat16'")
 
 
-def default_config(batch: int, num_kv_heads: int, max_len: int, *, fp8: bool = False) -> Config:
+def row_bytes(k_pages, v_pages) -> int:
+    """Bytes of the wider of a K and a V row in their pools (`default_config`'s `row_bytes`)."""
+    return max(k_pages.shape[-1] * jnp.dtype(k_pages.dtype).itemsize,
+               v_pages.shape[-1] * jnp.dtype(v_pages.dtype).itemsize)
+
+
+def default_config(batch: int, num_kv_heads: int, max_len: int, *, fp8: bool = False,
+                   row_bytes: int = 256) -> Config:
     """Tiles measured best on the H100 (`python -m experiments.tools.sweep paged_decode`), the
     same for every group size
     (queries pad to 16 rows): bf16 128-token tiles with 4 warps; fp8 64-token tiles with 2 warps
     (half the bytes per tile, so fewer threads keep the loads in flight); splits so that about
-    4 programs per SM are in flight.
+    4 programs per SM are in flight. K / V rows over 512 bytes (`row_bytes`: float32 pages at
+    H256) take 64-token tiles: two stages of 128 need 280 KiB of shared memory.
     """
     programs = batch * num_kv_heads
     splits = max(1, min(32, -(-4 * device_facts().num_sms // programs), max(1, max_len // 1024)))
     if fp8:
         return Config(block_n=64, num_warps=2, num_splits=splits)
-    return Config(block_n=128, num_warps=4, num_splits=splits)
+    return Config(block_n=128 if row_bytes <= 512 else 64, num_warps=4, num_splits=splits)
 
 
 @triton.jit
@@ -262,7 +270,7 @@ def paged_decode(q, k_pages, v_pages, block_tables, lengths, *, scale, window, s
     if config is None:
         config = default_config(q.shape[0], k_pages.shape[0],
                                 block_tables.shape[-1] * k_pages.shape[2],
-                                fp8=k_scales is not None)
+                                fp8=k_scales is not None, row_bytes=row_bytes(k_pages, v_pages))
     o, lse = paged_decode_partials(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                                    window=window, sinks=sinks, k_scales=k_scales,
                                    v_scales=v_scales, config=config)

@@ -2,7 +2,7 @@
 op's default tiles fit in an H100 / H200 block's 227 KiB at a dtype and head dim, without a GPU.
 
     python -m experiments.tools.hopper_fit [--ops dense,block_sparse,...]
-        [--dtypes bfloat16,float32] [--heads 64,128]
+        [--dtypes bfloat16,float32] [--heads 64,128,256]
 
 Each op is traced (`jax.eval_shape`, forward and, where it has one, gradient) at a small shape
 with `attn._harness.recorded_launches`; each distinct launch is compiled by Triton's compiler and
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from attn import _harness
 from attn.block_sparse import block_sparse_attention
+from attn.conv1d import causal_conv1d
 from attn.dense import attention, paged_prefill_attention
 from attn.gdn import gdn_chunked
 from attn.mla import mla_paged_decode
@@ -109,10 +110,19 @@ def _mla_decode(dtype, h):  # DeepSeek's latent 512 + rope 64 at every head dim;
                 _sds((2 * pages + 1, _PAGE, latent + rope), dtype)), False
 
 
+def _conv1d(dtype, h):  # 16 h channels, width 4, silu (the GDN models' short conv)
+    channels = 16 * h
+
+    def fn(x, weight, bias):
+        return causal_conv1d(x, weight, bias, activation="silu", implementation="triton")[0]
+    return fn, (_sds((1, _T, channels), dtype), _sds((channels, 4), dtype),
+                _sds((channels,), dtype)), True
+
+
 OPS: dict[str, Callable] = {"dense": _dense, "block_sparse": _block_sparse,
                             "paged_prefill": _paged_prefill, "paged_decode": _paged_decode,
                             "xattn_estimate": _xattn_estimate, "gdn_chunked": _gdn_chunked,
-                            "mla_decode": _mla_decode}
+                            "mla_decode": _mla_decode, "conv1d": _conv1d}
 
 
 def launches(op: str, dtype, h: int, *, grad: bool = True) -> list[_harness.Launch]:
@@ -134,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--heads", default="64,128")
+    parser.add_argument("--heads", default="64,128,256")
     args = parser.parse_args(argv)
     limit = _harness.HOPPER_SHARED_MEMORY
     print(f"{'op':14s} {'dtype':9s} {'H':>4s}  {'kernel':28s} {'warps':>5s} {'stages':>6s} "

@@ -117,6 +117,9 @@ def test_wide_rows_take_the_small_tiles():
         assert module.default_config(128, 128, 2).block_n > 32, module.__name__
         for h, itemsize in ((256, 2), (128, 4), (96, 4)):
             assert module.default_config(h, h, itemsize).block_n == 32, (module.__name__, h)
+        # Rows over 512 bytes (float32 at H256): 64 query rows a forward program.
+        assert module.default_config(256, 256, 4).block_m == 64, module.__name__
+        assert module.default_config(256, 256, 2).block_m == 128, module.__name__
         # float32 at H64: the 16-bit tiles; the forward in 2 stages where 3 would not fit
         # (`test_float32_head_dim_64_forward_fits_shared_memory`).
         f32, bf16 = module.default_config(64, 64, 4), module.default_config(64, 64, 2)

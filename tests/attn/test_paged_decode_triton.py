@@ -86,6 +86,19 @@ def test_launch_configs_match_reference(c):
     assert (np.asarray(out)[1] == 0).all() and np.isneginf(np.asarray(lse)[1]).all()
 
 
+def test_default_tiles_follow_the_row_width():
+    """64-token tiles where K / V rows pass 512 bytes (float32 pages at H256: 128-token tiles
+    ask for 280 KiB of shared memory, `experiments.tools.hopper_fit`); the row width is the
+    wider of the two pools'."""
+    k16 = jnp.zeros((2, 4, 16, 256), jnp.bfloat16)
+    k32 = k16.astype(jnp.float32)
+    assert kernel.row_bytes(k16, k32[..., :64]) == 512
+    assert kernel.row_bytes(k16, k32) == 1024
+    for pages, block_n in ((k16, 128), (k32, 64)):
+        config = kernel.default_config(4, 2, 4096, row_bytes=kernel.row_bytes(pages, pages))
+        assert config.block_n == block_n
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="block_n"):
         kernel.Config(block_n=48)
