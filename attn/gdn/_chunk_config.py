@@ -107,7 +107,11 @@ def default_config(num_seqs: int, nv: int, hv: int, num_chunks: int = 1, *,
     fits = [(waves(w), w, s) for s in (3, 2) for w in STEP_COST
             if state_smem(h, min(w, max(16, triton.next_power_of_2(hv))), itemsize, s)
             <= facts.shared_memory]
-    _, width, stages = min(fits, key=lambda f: (f[0], -f[2], f[1])) if fits else (0, 32, 2)
+    # Where no estimate fits: 32-wide slices, two stages for float32 intermediates (the estimate
+    # overstates them: 160 KiB compiled at H128) and one for 16-bit ones at H256 (two compile to
+    # 236 KiB, as estimated).
+    fallback = (0, 32, 2 if itemsize == 4 else 1)
+    _, width, stages = min(fits, key=lambda f: (f[0], -f[2], f[1])) if fits else fallback
     wide_rows = max(16, triton.next_power_of_2(h)) * itemsize > 256
     return Config(block_hv_state=width, state_warps=4, state_stages=stages, intra_pairs=pairs,
                   dqk_block_v=32 if wide_rows else 64, **majors)

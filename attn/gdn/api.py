@@ -6,6 +6,7 @@ Semantics, layouts and the HF conventions they follow are documented in `attn/gd
 defaults on a GPU; the other ops are XLA only and take no `implementation=`.
 """
 
+import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from attn import _checks
@@ -14,6 +15,9 @@ from attn.conv1d.api import check_cu_seqlens, check_slot_ids
 from attn.gdn import reference
 
 _TRITON_CHUNK = 64  # attn.gdn.triton_chunk.CHUNK, without importing triton here
+# The widest padded H / Hv row of the chunked kernels' intermediates (bf16, or float32 when q, k
+# and v all are) whose tiles fit in a Hopper block (`python -m experiments.tools.hopper_fit`).
+_TRITON_MAX_ROW_BYTES = 512
 
 
 def _check_inputs(q, k, v, g, beta, scale, single_token: bool = False) -> tuple[int, ...]:
@@ -70,10 +74,19 @@ def _check_chunk(chunk_size: int) -> None:
 
 def _chunk_reasons(args, config=None) -> list[str]:
     del config
+    reasons = []
     if args["chunk_size"] != _TRITON_CHUNK:
-        return [f"chunk_size={args['chunk_size']}: the Triton chunked kernels take "
-                f"{_TRITON_CHUNK} only"]
-    return []
+        reasons.append(f"chunk_size={args['chunk_size']}: the Triton chunked kernels take "
+                       f"{_TRITON_CHUNK} only")
+    q, v = args["q"], args["v"]
+    itemsize = 4 if all(args[n].dtype == jnp.float32 for n in ("q", "k", "v")) else 2
+    width = max(q.shape[-1], v.shape[-1])
+    if max(16, 1 << (width - 1).bit_length()) * itemsize > _TRITON_MAX_ROW_BYTES:
+        reasons.append(f"H={q.shape[-1]}, Hv={v.shape[-1]} with {itemsize * 8}-bit "
+                       f"intermediates: the Triton chunked kernels' [64, H] tiles fit in a "
+                       f"Hopper block's shared memory up to {_TRITON_MAX_ROW_BYTES} bytes a row "
+                       f"(H <= 256 in 16-bit types, 128 in float32)")
+    return reasons
 
 
 def _triton_chunked(q, k, v, g, beta, *, chunk_size, **kw):

@@ -30,9 +30,10 @@ chunk and `V_new`; the backward (`_chunk_bwd.py`) is a reverse pass over the sta
 three chunk-parallel kernels, for q, k, v, g, β and the initial state, with the output's and the
 final state's cotangents, varlen and l2-norm included.
 
-Supports: any B, T, Nk | Nv, H and Hv (padded to powers of two >= 16 and masked), initial and
-final states `[Ns, Nv, H, Hv]` float32, varlen with empty sequences, first-order gradients. Not
-supported: chunk sizes other than 64.
+Supports: any B, T, Nk | Nv, H and Hv up to 256 in 16-bit types and 128 in float32 (padded to
+powers of two >= 16 and masked; wider rows' tiles do not fit in a Hopper block's shared memory,
+and `gdn_chunked` runs XLA), initial and final states `[Ns, Nv, H, Hv]` float32, varlen with
+empty sequences, first-order gradients. Not supported: chunk sizes other than 64.
 """
 
 import functools

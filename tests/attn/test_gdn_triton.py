@@ -270,6 +270,15 @@ def test_chunked_triton_needs_chunk_64_and_config_validation():
     xs, _ = _chunk_problem(gen, b=1, t=3, nk=1, nv=1, h=16, hv=16, init=False)
     with pytest.raises(NotImplementedError, match="chunk_size=32"):
         gdn.gdn_chunked(*xs, chunk_size=32, implementation="triton")
+    # Rows past 512 bytes (float32 at H256, bf16 at H512) do not fit a Hopper block: refused by
+    # name, and `auto` runs XLA; bf16 at H256 runs.
+    q, k, v, g, beta = (jnp.zeros(s, d) for s, d in (
+        ((1, 3, 1, 256), jnp.float32), ((1, 3, 1, 256), jnp.float32), ((1, 3, 1, 16), jnp.float32),
+        ((1, 3, 1), jnp.float32), ((1, 3, 1), jnp.float32)))
+    with pytest.raises(NotImplementedError, match="H=256, Hv=16 with 32-bit"):
+        gdn.gdn_chunked(q, k, v, g, beta, implementation="triton")
+    assert gdn.gdn_chunked.reasons("triton", q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
+                                   v.astype(jnp.bfloat16), g, beta) == []
     with pytest.raises(ValueError, match="block_hv_state=8"):
         tc.Config(block_hv_state=8)
     with pytest.raises(ValueError, match="state_stages=0"):
@@ -440,14 +449,15 @@ def test_default_config_width_makes_fewest_waves(b, width):
 
 def test_default_config_shared_memory_decides_the_stages():
     """bf16 at H = 128: three stages fit at both widths; float32 intermediates or H = 256 do not
-    fit three, and where no estimate fits, two stages at 32-wide slices."""
+    fit three, and where no estimate fits, 32-wide slices in two stages for float32 (the estimate
+    overstates it) and one for bf16 at H = 256 (two compile to 236 KiB)."""
     for width in (32, 64):
         assert cfg.state_smem(128, width, 2, 3) <= device_facts().shared_memory
     f32 = tc.default_config(1, 4, 128, nk=2, itemsize=4)
     wide = tc.default_config(1, 32, 128, nk=16, h=256)
-    for config in (f32, wide):
-        assert (config.block_hv_state, config.state_stages) == (32, 2)
-    assert cfg.state_smem(256, 32, 2, 3) > device_facts().shared_memory
+    assert (f32.block_hv_state, f32.state_stages) == (32, 2)
+    assert (wide.block_hv_state, wide.state_stages) == (32, 1)
+    assert cfg.state_smem(256, 32, 2, 2) > device_facts().shared_memory
     small = tc.default_config(2, 4, 32, nk=2, h=32)  # Hv 32: one slice whatever the width
     assert small.state_stages == 3
     # The backward's dqk value steps: 64 wide, 32 where rows pass 256 bytes (64-wide steps ask
