@@ -151,7 +151,7 @@ def test_auto_on_a_gpu_picks_the_kernel_that_takes_the_arguments(monkeypatch):
     monkeypatch.setattr(attn._harness, "on_gpu", lambda: True)
     args = attention.validate(q, k, k)
     backend, config = attention.select("auto", args)  # Mosaic refuses float32 / H16 / no Hopper
-    assert (backend.name, config) == ("triton", dense_triton.default_config(16, 16))
+    assert (backend.name, config) == ("triton", dense_triton.default_config(16, 16, 4))
     seg = np.zeros((1, 8), np.int32)
     backend, _ = attention.select("auto", attention.validate(q, k, k, q_segment_ids=seg,
                                                              kv_segment_ids=seg))
