@@ -33,7 +33,7 @@ from attn import _harness
 from attn.block_sparse import block_sparse_attention
 from attn.conv1d import causal_conv1d
 from attn.dense import attention, paged_prefill_attention
-from attn.gdn import gdn_chunked
+from attn.gdn import gdn_chunked, gdn_decode_pool
 from attn.mla import mla_paged_decode
 from attn.paged_decode import paged_decode
 from attn.xattention import xattn_estimate
@@ -83,6 +83,48 @@ def _paged_decode(dtype, h):  # forward only; 4 splits: the partials and their m
     return fn, (_sds((2, _N, h), dtype), *[_sds((_K, pages, _PAGE, h), dtype)] * 2), False
 
 
+def _fp8_pools(h):
+    """K / V e4m3 page pools with their float32 scales (sub-blocks of 16 tokens)."""
+    pages = _T // _PAGE
+    pool = _sds((_K, pages, _PAGE, h), jnp.float8_e4m3fn)
+    return pool, _sds((_K, pages, _PAGE // 16), jnp.float32)
+
+
+def _paged_prefill_fp8(dtype, h):  # forward only
+    pages = _T // _PAGE
+    tables = jnp.broadcast_to(jnp.arange(pages, dtype=jnp.int32), (1, _K, pages))
+
+    def fn(q, k_pages, v_pages, k_scales, v_scales):
+        return paged_prefill_attention(q, k_pages, v_pages, tables, 0,
+                                       jnp.full((1,), _T, jnp.int32), k_scales=k_scales,
+                                       v_scales=v_scales, implementation="triton")[0]
+    pool, scales = _fp8_pools(h)
+    return fn, (_sds((1, _T, _N, h), dtype), pool, pool, scales, scales), False
+
+
+def _paged_decode_fp8(dtype, h):  # forward only
+    pages = _T // _PAGE
+    tables = jnp.broadcast_to(jnp.arange(pages, dtype=jnp.int32), (2, _K, pages))
+
+    def fn(q, k_pages, v_pages, k_scales, v_scales):
+        return paged_decode(q, k_pages, v_pages, tables, jnp.asarray([_T, _T // 2], jnp.int32),
+                            k_scales=k_scales, v_scales=v_scales, num_splits=4,
+                            implementation="triton")[0]
+    pool, scales = _fp8_pools(h)
+    return fn, (_sds((2, _N, h), dtype), pool, pool, scales, scales), False
+
+
+def _gdn_decode(dtype, h):  # one decode step on the state slot pool; forward only
+    f32, slots = jnp.float32, 4
+    slot_ids = jnp.asarray([1, 3], jnp.int32)
+
+    def fn(q, k, v, g, beta, pool):
+        return gdn_decode_pool(q, k, v, g, beta, pool, slot_ids, use_qk_l2norm=True,
+                               implementation="triton")[0]
+    return fn, (*[_sds((2, 1, _K, h), dtype)] * 2, _sds((2, 1, _N, h), dtype),
+                *[_sds((2, 1, _N), f32)] * 2, _sds((slots, _N, h, h), f32)), False
+
+
 def _xattn_estimate(dtype, h):  # forward only (a block mask)
     def fn(q, k):
         return xattn_estimate(q, k, implementation="triton")[0]
@@ -123,7 +165,9 @@ def _conv1d(dtype, h):  # 16 h channels, width 4, silu (the GDN models' short co
 OPS: dict[str, Callable] = {"dense": _dense, "block_sparse": _block_sparse,
                             "paged_prefill": _paged_prefill, "paged_decode": _paged_decode,
                             "xattn_estimate": _xattn_estimate, "gdn_chunked": _gdn_chunked,
-                            "mla_decode": _mla_decode, "conv1d": _conv1d}
+                            "mla_decode": _mla_decode, "conv1d": _conv1d,
+                            "paged_prefill_fp8": _paged_prefill_fp8,
+                            "paged_decode_fp8": _paged_decode_fp8, "gdn_decode": _gdn_decode}
 
 
 def launches(op: str, dtype, h: int, *, grad: bool = True) -> list[_harness.Launch]:
@@ -149,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", default="64,128,256")
     args = parser.parse_args(argv)
     limit = _harness.HOPPER_SHARED_MEMORY
-    print(f"{'op':14s} {'dtype':9s} {'H':>4s}  {'kernel':28s} {'warps':>5s} {'stages':>6s} "
+    print(f"{'op':18s} {'dtype':9s} {'H':>4s}  {'kernel':28s} {'warps':>5s} {'stages':>6s} "
           f"{'shared KiB':>10s}  fits ({limit // 1024} KiB)", flush=True)
     over = 0
     for op in args.ops.split(","):
@@ -161,13 +205,13 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     found = launches(op, dtype, h)
                 except NotImplementedError as e:  # the Triton backend refuses: XLA runs it
-                    print(f"{op:14s} {dtype_name:9s} {h:4d}  refused: "
+                    print(f"{op:18s} {dtype_name:9s} {h:4d}  refused: "
                           f"{str(e).splitlines()[0][:140]}", flush=True)
                     continue
                 for launch in found:
                     shared = _harness.hopper_shared_memory(launch)
                     over += shared > limit
-                    print(f"{op:14s} {dtype_name:9s} {h:4d}  {launch.name:28s} "
+                    print(f"{op:18s} {dtype_name:9s} {h:4d}  {launch.name:28s} "
                           f"{launch.num_warps:5d} {launch.num_stages:6d} {shared / 1024:10.1f}  "
                           f"{'yes' if shared <= limit else 'NO'}", flush=True)
     if over:

@@ -60,9 +60,9 @@ def test_launch_of_types_scalars_and_defaults():
 @pytest.mark.slow
 def test_every_attention_launch_fits_hopper_shared_memory():
     """Every op of `experiments.tools.hopper_fit` (dense, block-sparse, paged prefill and
-    decode, the XAttention estimate, GDN chunked, MLA decode, conv1d), bf16 and float32, H64,
-    H128 and H256, forward and gradient: compiled for sm_90, no launch asks for more than 227
-    KiB."""
+    decode with float and fp8 pools, the XAttention estimate, GDN chunked and decode, MLA decode,
+    conv1d), bf16 and float32, H64, H128 and H256, forward and gradient: compiled for sm_90, no
+    launch asks for more than 227 KiB."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("JAX_PLATFORMS", "cpu")
     done = subprocess.run([sys.executable, "-m", "experiments.tools.hopper_fit"], env=env,
