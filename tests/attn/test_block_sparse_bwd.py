@@ -309,11 +309,11 @@ def test_gpu_grads_match_reference(g, density, implementation):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("h", [64, 128, 256])
 def test_gpu_float32(h):
     """float32 inputs, compiled: at H64 the default backward tiles (the dK / dV stages take as
-    much shared memory as bf16 at H128) and a 2-stage forward, at H128 the wide-rows config.
-    Gradients close to the reference's."""
+    much shared memory as bf16 at H128) and a 2-stage forward, at H128 the wide-rows config, at
+    H256 its half-height query tiles. Gradients close to the reference's."""
     cfg = kernel.default_config(h, h, 4)
     assert (cfg.dkv_num_stages == kernel.Config().dkv_num_stages) == (h == 64)
     gen = rng()

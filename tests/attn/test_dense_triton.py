@@ -309,11 +309,11 @@ def test_gpu_matches_reference(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("h", [64, 128, 256])
 def test_gpu_float32_forward_and_backward(h):
     """float32 inputs through `attention(implementation="auto")` (the Triton kernels at their
-    float32 tiles: 2 forward stages at H64, the wide-rows tiles at H128): out and every gradient
-    close to the XLA reference's."""
+    float32 tiles: 2 forward stages at H64, the wide-rows tiles at H128, with 64 query rows at
+    H256): out and every gradient close to the XLA reference's."""
     q, k, v = _qkv(rng(), b=1, t=1000, s=1000, kh=4, g=4, h=h, hv=h, dtype=jnp.float32)
     d_out = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
 

@@ -305,6 +305,18 @@ def test_compiled_gradients_at_model_dims(case):
 
 
 @pytest.mark.gpu
+def test_compiled_bf16_head_dim_256_gradients():
+    """bf16 at H = Hv = 256 (the state loop in one stage: two do not fit in shared memory),
+    B1 T1000, GVA 2: every gradient within 2e-2 of the reference's on the same inputs."""
+    gen = rng()
+    xs, h0 = _problem(gen, b=1, t=1000, nk=2, nv=4, h=256, hv=256, dtype=jnp.bfloat16)
+    do, ds = _cotangents(gen, xs[2], 1, 256, "both")
+    kw = dict(use_qk_l2norm=True)
+    _check(_grads(_kernel(), xs, h0, do, ds, **kw),
+           _grads(ref.gdn_chunked, xs, h0, do, ds, **kw), 2e-2)
+
+
+@pytest.mark.gpu
 def test_compiled_float32_gradients():
     """float32 inputs at model heads (the 3-pass TF32 path), B1 T1000, GVA 2."""
     gen = rng()
