@@ -19,7 +19,7 @@ Not supported: autotuned kernels (pass explicit tile sizes) and `zeroed_outputs`
 callable. The interpreter path is for correctness, not speed.
 
 Hopper without a GPU: `compile_for_hopper` compiles a kernel for sm_90 with Triton's compiler and
-its bundled ptxas (shared memory, PTX, registers through `ptxas -v`), and inside
+its bundled ptxas (shared memory, PTX; `ptxas_usage`: registers and spills), and inside
 `recorded_launches()` tracing an op records each launch (kernel, argument types, constants, warps,
 stages) for it, so a CPU machine can tell whether an op's tiles fit in a Hopper block's shared
 memory (`python -m experiments.tools.hopper_fit`).
@@ -217,13 +217,35 @@ def compile_for_hopper(kernel: Any, signature: Mapping[str, str], constexprs: Ma
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
+def ptxas_usage(compiled) -> dict[str, int]:
+    """`registers` a thread and `spill_stores` / `spill_loads` bytes of a `compile_for_hopper`
+    result: `ptxas -v` (Triton's bundled one) on its PTX for sm_90a."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    return dict(registers=int(re.search(r"Used (\d+) registers", out).group(1)),
+                spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))
+
+
 @functools.cache
-def hopper_shared_memory(launch: Launch) -> int:
-    """Bytes of shared memory a block of `launch` takes on sm_90 (`compile_for_hopper`); at most
-    `HOPPER_SHARED_MEMORY` launches."""
+def hopper_resources(launch: Launch) -> dict[str, int]:
+    """`shared` bytes of shared memory a block of `launch` takes on sm_90 (at most
+    `HOPPER_SHARED_MEMORY` launches), `registers` a thread and spill bytes (`ptxas_usage`)."""
     compiled = compile_for_hopper(launch.kernel, dict(launch.signature), dict(launch.constexprs),
                                   num_warps=launch.num_warps, num_stages=launch.num_stages)
-    return int(compiled.metadata.shared)
+    return dict(shared=int(compiled.metadata.shared), **ptxas_usage(compiled))
 
 
 def _kernel_name(kernel: Any) -> str:

@@ -171,29 +171,18 @@ def grid(**axes) -> list[dict]:
 # GPU), and Triton decides at import time. Reads one JSON job list on stdin, prints one JSON line a
 # job.
 _SM90_SCRIPT = r"""
-import importlib, json, os, re, subprocess, sys, tempfile
+import importlib, json, os, sys
 os.environ["TRITON_INTERPRET"] = "0"
-import triton
-from attn._harness import compile_for_hopper
+from attn._harness import compile_for_hopper, ptxas_usage
 
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 for job in json.load(sys.stdin):
     module, name = job["kernel"].split(":")
     fn = getattr(importlib.import_module(module), name)
     k = compile_for_hopper(fn, job["pointers"], job["constexprs"], num_warps=job["num_warps"],
                            num_stages=job["num_stages"])
     ptx = k.asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
-                         capture_output=True, text=True, check=True).stderr
-    os.unlink(f.name)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
-    print(json.dumps(dict(
-        name=name, registers=int(re.search(r"Used (\d+) registers", out).group(1)),
-        spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)),
-        shared=k.metadata.shared, count={s: ptx.count(s) for s in job.get("count", ())})),
-        flush=True)
+    print(json.dumps(dict(name=name, shared=k.metadata.shared, **ptxas_usage(k),
+                          count={s: ptx.count(s) for s in job.get("count", ())})), flush=True)
 """
 
 

@@ -1,12 +1,13 @@
-"""Shared memory of the Triton launches, compiled for Hopper (sm_90) on any machine: whether each
-op's default tiles fit in an H100 / H200 block's 227 KiB at a dtype and head dim, without a GPU.
+"""Shared memory (and registers, spills) of the Triton launches, compiled for Hopper (sm_90) on any
+machine: whether each op's default tiles fit in an H100 / H200 block's 227 KiB at a dtype and head
+dim, without a GPU.
 
     python -m experiments.tools.hopper_fit [--ops dense,block_sparse,...]
         [--dtypes bfloat16,float32] [--heads 64,128,256]
 
 Each op is traced (`jax.eval_shape`, forward and, where it has one, gradient) at a small shape
 with `attn._harness.recorded_launches`; each distinct launch is compiled by Triton's compiler and
-ptxas (`attn._harness.hopper_shared_memory`, a few seconds each). Prints one row per launch (or
+ptxas (`attn._harness.hopper_resources`, a few seconds each). Prints one row per launch (or
 the reason the op's Triton backend refuses the case) and exits 1 if any launch needs more than
 `attn._harness.HOPPER_SHARED_MEMORY` (the GPU would refuse it: "Shared memory requested ...
 exceeds device resources"). Tile choices depend on the dtype
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     limit = _harness.HOPPER_SHARED_MEMORY
     print(f"{'op':18s} {'dtype':9s} {'H':>4s}  {'kernel':28s} {'warps':>5s} {'stages':>6s} "
-          f"{'shared KiB':>10s}  fits ({limit // 1024} KiB)", flush=True)
+          f"{'regs':>4s} {'spills B':>8s} {'shared KiB':>10s}  fits ({limit // 1024} KiB)",
+          flush=True)
     over = 0
     for op in args.ops.split(","):
         if op not in OPS:
@@ -209,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
                           f"{str(e).splitlines()[0][:140]}", flush=True)
                     continue
                 for launch in found:
-                    shared = _harness.hopper_shared_memory(launch)
-                    over += shared > limit
+                    use = _harness.hopper_resources(launch)
+                    over += use["shared"] > limit
                     print(f"{op:18s} {dtype_name:9s} {h:4d}  {launch.name:28s} "
-                          f"{launch.num_warps:5d} {launch.num_stages:6d} {shared / 1024:10.1f}  "
-                          f"{'yes' if shared <= limit else 'NO'}", flush=True)
+                          f"{launch.num_warps:5d} {launch.num_stages:6d} {use['registers']:4d} "
+                          f"{use['spill_stores']:8d} {use['shared'] / 1024:10.1f}  "
+                          f"{'yes' if use['shared'] <= limit else 'NO'}", flush=True)
     if over:
         print(f"{over} launch(es) need more shared memory than a Hopper block has")
     return 1 if over else 0
