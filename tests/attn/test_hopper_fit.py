@@ -9,8 +9,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-import triton
-import triton.language as tl
 
 from attn import _harness
 from attn.dense import attention
@@ -41,13 +39,17 @@ def test_recorded_launches_name_types_and_constants():
     assert _harness._recording is None  # the context restores the outer state
 
 
-@triton.jit
-def _scaled_copy(x_ptr, n, y_ptr, SCALE: tl.constexpr, BLOCK: tl.constexpr = 16):
-    offs = tl.arange(0, BLOCK)
-    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * SCALE, mask=offs < n)
-
-
 def test_launch_of_types_scalars_and_defaults():
+    # Triton is imported here, not at the top: `attn` (imported above) must pick the interpreter
+    # before Triton's first import, or every kernel in this process compiles for a GPU.
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _scaled_copy(x_ptr, n, y_ptr, SCALE: tl.constexpr, BLOCK: tl.constexpr = 16):
+        offs = tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * SCALE, mask=offs < n)
+
     out = jax.ShapeDtypeStruct((16,), jnp.bfloat16)
     launch = _harness.Launch.of(_scaled_copy, (jnp.zeros(16, jnp.bfloat16), 16), out, 4, 2,
                                 dict(SCALE=2.0))
