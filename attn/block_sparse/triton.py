@@ -59,7 +59,13 @@ from attn import _checks
 from attn._harness import on_gpu, triton_call
 from attn._op import device_facts
 from attn.block_sparse import _triton_bwd, reference
-from attn.dense._flash_tiles import _load, _masked_softmax_step, _whole_softmax_step, wide_rows
+from attn.dense._flash_tiles import (
+    _load,
+    _masked_softmax_step,
+    _whole_softmax_step,
+    wide_rows,
+    wide_rows_query_tile,
+)
 
 LOG2E = math.log2(math.e)
 _MAX_HEAD_DIM = 256
@@ -112,13 +118,14 @@ def default_config(head_dim: int, value_head_dim: int | None = None, itemsize: i
     30.66-30.72 with 3 stages and 8.41 / 31.06 with 5; at S32K 2 stages take 1.04x as long as 3,
     uncut programs 1.16x, 32 x 32 tiles over 4 warps 1.9x). Wide rows
     (`dense._flash_tiles.wide_rows`: H > 128 in 16-bit types, H > 64 in float32) take 32-key
-    steps and 2 stages, as dense does, so the K / V stages fit in shared memory; float32 rows of
-    256 bytes (H64) 2 forward stages (3 need 256 KiB; `python -m experiments.tools.hopper_fit`
-    prints each launch's shared memory).
+    steps and 2 stages, as dense does, so the K / V stages fit in shared memory (over 512 bytes,
+    float32 at H256, with 64-row forward and 32-row dQ tiles); float32 at H <= 64 takes 2 forward
+    stages (3 need 256 KiB at H64; `python -m experiments.tools.hopper_fit` prints each launch's
+    shared memory).
     `python -m experiments.tools.sweep block_sparse_prefill` times alternatives."""
     if wide_rows(head_dim, value_head_dim, itemsize):
-        rows = 2 if wide_rows(head_dim, value_head_dim, itemsize, over=512) else 1  # f32 H256
-        return Config(block_m=128 // rows, block_n=32, num_stages=2, dq_block_m=64 // rows,
+        block_m = wide_rows_query_tile(head_dim, value_head_dim, itemsize)
+        return Config(block_m=block_m, block_n=32, num_stages=2, dq_block_m=block_m // 2,
                       dq_block_n=32, dq_num_stages=2, dkv_block_m=32, dkv_block_n=32,
                       dkv_num_stages=2)
     if itemsize > 2:

@@ -94,12 +94,17 @@ def _drop_nonfinite(v):
     return tl.where(v_bad, 0.0, v), key_bad
 
 
-def wide_rows(head_dim: int, value_head_dim: int | None = None, itemsize: int = 2, *,
-              over: int = 256) -> bool:
-    """Whether a Q / K / V row is over `over` bytes (`itemsize`: the element size). Over 256, the
-    Hopper tiles of 128 keys and 3 stages no longer fit in shared memory; over 512 (float32 at
-    H256), not even 128 query rows with two stages of 32 keys (240 KiB)."""
-    return max(head_dim, value_head_dim or head_dim) * itemsize > over
+def wide_rows(head_dim: int, value_head_dim: int | None = None, itemsize: int = 2) -> bool:
+    """Whether a Q / K / V row is over 256 bytes (`itemsize`: the element size), where the Hopper
+    tiles of 128 keys and 3 stages no longer fit in shared memory."""
+    return max(head_dim, value_head_dim or head_dim) * itemsize > 256
+
+
+def wide_rows_query_tile(head_dim: int, value_head_dim: int | None = None,
+                         itemsize: int = 2) -> int:
+    """Query rows a forward program of the wide-rows tiles owns: 128, or 64 where a row is over
+    512 bytes (float32 at H256: 128 rows with two stages of 32 keys need 240 KiB)."""
+    return 64 if max(head_dim, value_head_dim or head_dim) * itemsize > 512 else 128
 
 
 def _shapes(q, k, v):

@@ -57,6 +57,7 @@ from attn.dense._flash_tiles import (
     _visible,
     _whole_softmax_step,
     wide_rows,
+    wide_rows_query_tile,
 )
 
 LOG2E = math.log2(math.e)
@@ -102,12 +103,13 @@ def default_config(head_dim: int, value_head_dim: int | None = None, itemsize: i
     the inputs' element size: H > 128 in bf16 / f16, H > 64 in float32) take 32-key tiles and 2
     stages, unspecialised, so the K/V stages fit in shared memory (at H128 float32 the 16-bit
     tiles need 289-448 KiB of the H100's 227).
-    float32 rows of 256 bytes (H64) take 2 forward stages: with float32 scores the 128 x 128
-    forward needs 256 KiB in 3 (`python -m experiments.tools.hopper_fit` compiles the launches for
-    sm_90 and prints their shared memory).
+    Wide rows over 512 bytes (float32 at H256) take 64-row forward tiles. float32 at H <= 64
+    takes 2 forward stages: with float32 scores the 128 x 128 forward needs 256 KiB in 3 at H64
+    (`python -m experiments.tools.hopper_fit` compiles the launches for sm_90 and prints their
+    shared memory).
     `python -m experiments.tools.sweep flash_prefill` (`flash_prefill_bwd`) times alternatives."""
-    if wide_rows(head_dim, value_head_dim, itemsize):  # float32 H256: 64 query rows
-        block_m = 64 if wide_rows(head_dim, value_head_dim, itemsize, over=512) else 128
+    if wide_rows(head_dim, value_head_dim, itemsize):
+        block_m = wide_rows_query_tile(head_dim, value_head_dim, itemsize)
         return Config(block_m=block_m, block_n=32, num_warps=8, num_stages=2, dkv_block_m=32,
                       dkv_block_n=32, dq_block_m=32, dq_block_n=32, bwd_num_stages=2,
                       warp_specialize=False)

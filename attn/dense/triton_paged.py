@@ -41,7 +41,13 @@ import triton.language as tl
 
 from attn import _checks
 from attn._harness import triton_call
-from attn.dense._flash_tiles import _key_tiles, _masked_softmax_step, _visible, wide_rows
+from attn.dense._flash_tiles import (
+    _key_tiles,
+    _masked_softmax_step,
+    _visible,
+    wide_rows,
+    wide_rows_query_tile,
+)
 
 LOG2E = math.log2(math.e)
 _MAX_HEAD_DIM = 256
@@ -79,11 +85,12 @@ def default_config(head_dim: int, value_head_dim: int | None = None, itemsize: i
     (ptxas for sm_90a at H = 128, P = 64: 215 registers, no spills, 128 KiB shared), 2 stages
     on the gather path (pages under 64 tokens). Wide rows (`dense._flash_tiles.wide_rows`:
     H > 128 in 16-bit types, H > 64 in float32, the wider of q's and the pages' elements) take
-    32-key tiles and 2 stages so the K/V stages fit in shared memory. `python -m
+    32-key tiles and 2 stages so the K/V stages fit in shared memory (64-row tiles over 512 bytes:
+    float32 at H256). `python -m
     experiments.tools.sweep paged_prefill` times alternatives (`python -m experiments.bench
     prefill --rows paged_prefill`: this one)."""
-    if wide_rows(head_dim, value_head_dim, itemsize):  # float32 H256: 64 query rows
-        block_m = 64 if wide_rows(head_dim, value_head_dim, itemsize, over=512) else 128
+    if wide_rows(head_dim, value_head_dim, itemsize):
+        block_m = wide_rows_query_tile(head_dim, value_head_dim, itemsize)
         return Config(block_m=block_m, block_n=32, num_warps=8, num_stages=2)
     return Config()
 
