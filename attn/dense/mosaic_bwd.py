@@ -26,18 +26,21 @@ and ptxas serialises the wgmmas. With two groups there are 255 per thread.
 A step, per group (keys `k`, the step's `block_q` query rows `q`; transposed products keep the
 keys on the wgmma's M side, so dK / dV accumulate in the wgmma layout):
 
-    Sᵀ = K Qᵀ,  dPᵀ = V dOᵀ                     (issued together)
-    Pᵀ = exp2(Sᵀ · scale · log2 e - lse₂)        (while dPᵀ runs)
-    dV += Pᵀ dO                                  (Pᵀ from registers; runs while dSᵀ is computed)
-    dSᵀ = Pᵀ ∘ (dPᵀ - delta) -> shared memory; both groups meet
-    dK += dSᵀ Q,  dQ[:, half] = dS K[:, half]    (issued together; each group one half of H)
+    Sᵀ = K Qᵀ - lse / scale,  dPᵀ = V dOᵀ - delta     (issued together)
+    Pᵀ = exp2(Sᵀ · scale · log2 e)                     (while dPᵀ runs)
+    dV += Pᵀ dO                                        (Pᵀ from registers; runs while dSᵀ is made)
+    dSᵀ = Pᵀ ∘ dPᵀ -> shared memory; both groups meet
+    dK += dSᵀ Q,  dQ[:, half] = dS K[:, half]          (issued together; each group one half of H)
     dQ half -> shared memory -> TMA reduce-add into the float32 dQ (in flight during the next step)
 
-dK / dV live in wgmma accumulators across the whole walk (one `run_state`): they are never read
-back into values between steps. `delta = rowsum(dO ∘ O) - dlse` (the lse cotangent folds in
-there) and `lse₂` come from one Triton pass before the kernel (`_stats_kernel`, which also zeroes
-the float32 dQ accumulator: XLA takes three passes for the same), and `dQ · scale` is cast after
-it. Steps are *whole* (every pair visible: no mask) or *masked*, `Pᵀ` selected rather than
+The row statistics enter as the first values of the Sᵀ and dPᵀ accumulators (each query's
+`-lse / scale` and `-delta` down its column): the products subtract them, and no row vector is
+live past the step's start. dK / dV live in wgmma accumulators across the whole walk (one
+`run_state`): they are never read back into values between steps; the dQ accumulator is scoped to
+the dQ product, after Sᵀ and dPᵀ are dead. `delta = rowsum(dO ∘ O) - dlse` (the lse cotangent
+folds in there) and the base-2 `lse₂` come from one Triton pass before the kernel
+(`_stats_kernel`, which also zeroes the float32 dQ accumulator: XLA takes three passes for the
+same), and `dQ · scale` is cast after it. Steps are *whole* (every pair visible: no mask) or *masked*, `Pᵀ` selected rather than
 multiplied so a non-finite key there reaches no gradient (a non-finite value there reaches `dSᵀ`
 through `dPᵀ`, as it reaches the forward's output: `attn/dense/mosaic.py`'s note).
 `query_ranges` splits each key tile's query tiles into runs, and a masked run's rule keeps only
@@ -103,7 +106,7 @@ class Config:
     block_q: int = 64
     block_kv: int = 64
     stages: int = 2
-    key_tiles_fastest_from: int = 65536
+    key_tiles_fastest_from: int = 16384
     interpret: bool = False
 
     def __post_init__(self):
@@ -307,18 +310,23 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
         k_half = k_smem.at[:, pl.ds(wg * half, half)]
         dq_tile = dq_smem.at[wg]
 
-        def probabilities(st, slot, qt, masked):
+        def accumulator_starts(slot):
+            """The Sᵀ and dPᵀ accumulators' first values, `-lse₂ / (scale log2 e)` and `-delta`
+            down each query's column: the products then leave `Sᵀ - lse / scale` and
+            `dPᵀ - delta`, and no row vector stays live through the step."""
             plgpu.barrier_wait(stats_ready.at[slot])
-            lse = row_vector(stats_smem.at[slot, 0])
-            pt = jnp.exp2(st * scale_log2 - lax.broadcast_in_dim(lse, st.shape, [1]))
+            shape = (bkv, bq)
+            lse = row_vector(stats_smem.at[slot, 0]) * (-1.0 / scale_log2)
+            delta = row_vector(stats_smem.at[slot, 1])
+            return (lax.broadcast_in_dim(lse, shape, [1]),
+                    lax.broadcast_in_dim(-delta, shape, [1]))
+
+        def probabilities(st, qt, masked):  # st: Sᵀ - lse / scale
+            pt = jnp.exp2(st * scale_log2)
             if masked:  # selected, not multiplied: a NaN score must not survive as 0 * NaN
                 pos = qt * bq + iota(st.shape, 1) if masked != "sinks" else None
                 pt = jnp.where(visible(masked, pos, kw0 + iota(st.shape, 0)), pt, 0.0)
             return pt
-
-        def score_grads(pt, dpt, slot):  # dSᵀ; zero wherever Pᵀ was masked to zero
-            delta = row_vector(stats_smem.at[slot, 1])
-            return (pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))).astype(dtype)
 
         def exchange(dst, step):
             """Both groups' dSᵀ rows into shared memory; then step - 1's slot is free in both
@@ -344,6 +352,13 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
                 plgpu.copy_smem_to_gmem(
                     dq_tile, dq_ref.at[tile, bi, pl.ds(qt * bq, bq), head, pl.ds(wg * half, half)])
 
+        def dq_product(ds, step, dq_acc):
+            """This group's half of the step's dQ, reduce-added. Its accumulator is scoped
+            here, after Sᵀ and dPᵀ are dead, rather than for the whole step: the step's live
+            registers peak lower."""
+            plgpu.wgmma(dq_acc, _transposed(plgpu, ds), k_half)
+            reduce_dq(plgpu.wgmma_accumulator_load(dq_acc, wait_n=0), step)
+
         def wait_tile(step):
             slot = lax.rem(step, stages)
             plgpu.barrier_wait(q_ready.at[slot])
@@ -355,20 +370,20 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
             dv_acc, dk_acc = grad_refs
             slot, qt, q_tile, do_tile = wait_tile(step)
 
-            def products(st_acc, dpt_acc, dq_acc):
+            def products(refs):
+                st_acc, dpt_acc = refs
                 plgpu.wgmma(st_acc, k_rows, _transposed(plgpu, q_tile))
                 plgpu.wgmma(dpt_acc, v_rows, _transposed(plgpu, do_tile))
-                pt = probabilities(plgpu.wgmma_accumulator_load(st_acc, wait_n=1), slot, qt,
-                                   masked)
+                pt = probabilities(plgpu.wgmma_accumulator_load(st_acc, wait_n=1), qt, masked)
                 plgpu.wgmma(dv_acc, pt.astype(dtype), do_tile)
-                dst = score_grads(pt, plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1), slot)
+                # dSᵀ, zero wherever Pᵀ was masked to zero
+                dst = (pt * plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)).astype(dtype)
                 ds = exchange(dst, step)
                 plgpu.wgmma(dk_acc, dst, q_tile)
-                plgpu.wgmma(dq_acc, _transposed(plgpu, ds), k_half)
-                reduce_dq(plgpu.wgmma_accumulator_load(dq_acc, wait_n=0), step)
+                pl.run_scoped(functools.partial(dq_product, ds, step),
+                              plgpu.ACC((bq, half), jnp.float32))
 
-            pl.run_scoped(products, plgpu.ACC((bkv, bq), jnp.float32),
-                          plgpu.ACC((bkv, bq), jnp.float32), plgpu.ACC((bq, half), jnp.float32))
+            pl.run_state(products)(tuple(map(plgpu.ACC.init, accumulator_starts(slot))))
             return carry
 
         def interpreted_step(step, carry, masked):
@@ -379,8 +394,9 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
                                  preferred_element_type=jnp.float32)
             dpt = lax.dot_general(v_rows[...], do_tile[...], contract,
                                   preferred_element_type=jnp.float32)
-            pt = probabilities(st, slot, qt, masked)
-            dst = score_grads(pt, dpt, slot)
+            st0, dp0 = accumulator_starts(slot)
+            pt = probabilities(st + st0, qt, masked)
+            dst = (pt * (dpt + dp0)).astype(dtype)
             dv = dv + jnp.dot(pt.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
             dk = dk + jnp.dot(dst, q_tile[...], preferred_element_type=jnp.float32)
             ds = exchange(dst, step)
