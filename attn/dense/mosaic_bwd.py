@@ -30,8 +30,9 @@ keys on the wgmma's M side, so dK / dV accumulate in the wgmma layout):
     Pᵀ = exp2(Sᵀ · scale · log2 e)                     (while dPᵀ runs)
     dV += Pᵀ dO                                        (Pᵀ from registers; runs while dSᵀ is made)
     dSᵀ = Pᵀ ∘ dPᵀ -> shared memory; both groups meet
-    dK += dSᵀ Q,  dQ[:, half] = dS K[:, half]          (issued together; each group one half of H)
-    dQ half -> shared memory -> TMA reduce-add into the float32 dQ (in flight during the next step)
+    dQ[:, half] = dS K[:, half],  dK += dSᵀ Q          (issued together; each group one half of H)
+    dQ half -> shared memory (while dK runs) -> TMA reduce-add into the float32 dQ (in flight
+    during the next step)
 
 The row statistics enter as the first values of the Sᵀ and dPᵀ accumulators (each query's
 `-lse / scale` and `-delta` down its column): the products subtract them, and no row vector is
@@ -40,9 +41,10 @@ live past the step's start. dK / dV live in wgmma accumulators across the whole 
 the dQ product, after Sᵀ and dPᵀ are dead. `delta = rowsum(dO ∘ O) - dlse` (the lse cotangent
 folds in there) and the base-2 `lse₂` come from one Triton pass before the kernel
 (`_stats_kernel`, which also zeroes the float32 dQ accumulator: XLA takes three passes for the
-same), and `dQ · scale` is cast after it. Steps are *whole* (every pair visible: no mask) or *masked*, `Pᵀ` selected rather than
-multiplied so a non-finite key there reaches no gradient (a non-finite value there reaches `dSᵀ`
-through `dPᵀ`, as it reaches the forward's output: `attn/dense/mosaic.py`'s note).
+same), and `dQ · scale` is cast after it. Steps are *whole* (every pair visible: no mask) or
+*masked*, `Pᵀ` selected rather than multiplied so a non-finite key there reaches no gradient (a
+non-finite value there reaches `dSᵀ` through `dPᵀ`, as it reaches the forward's output:
+`attn/dense/mosaic.py`'s note).
 `query_ranges` splits each key tile's query tiles into runs, and a masked run's rule keeps only
 the terms its tiles need (`run_visible`): the causal diagonal (`key <= pos` once the window spans
 the tile), the window's far edge (no causal term) and, for a key tile holding sink and window
@@ -352,12 +354,14 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
                 plgpu.copy_smem_to_gmem(
                     dq_tile, dq_ref.at[tile, bi, pl.ds(qt * bq, bq), head, pl.ds(wg * half, half)])
 
-        def dq_product(ds, step, dq_acc):
-            """This group's half of the step's dQ, reduce-added. Its accumulator is scoped
-            here, after Sᵀ and dPᵀ are dead, rather than for the whole step: the step's live
-            registers peak lower."""
+        def dq_and_dk(ds, dst, q_tile, dk_acc, step, dq_acc):
+            """This group's half of the step's dQ, reduce-added, and its dK product. dQ is issued
+            first, so its trip out (registers -> shared memory -> reduce-add) runs while the dK
+            product does. Its accumulator is scoped here, after Sᵀ and dPᵀ are dead, rather than
+            for the whole step: the step's live registers peak lower."""
             plgpu.wgmma(dq_acc, _transposed(plgpu, ds), k_half)
-            reduce_dq(plgpu.wgmma_accumulator_load(dq_acc, wait_n=0), step)
+            plgpu.wgmma(dk_acc, dst, q_tile)
+            reduce_dq(plgpu.wgmma_accumulator_load(dq_acc, wait_n=1), step)
 
         def wait_tile(step):
             slot = lax.rem(step, stages)
@@ -379,8 +383,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
                 # dSᵀ, zero wherever Pᵀ was masked to zero
                 dst = (pt * plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)).astype(dtype)
                 ds = exchange(dst, step)
-                plgpu.wgmma(dk_acc, dst, q_tile)
-                pl.run_scoped(functools.partial(dq_product, ds, step),
+                pl.run_scoped(functools.partial(dq_and_dk, ds, dst, q_tile, dk_acc, step),
                               plgpu.ACC((bq, half), jnp.float32))
 
             pl.run_state(products)(tuple(map(plgpu.ACC.init, accumulator_starts(slot))))
