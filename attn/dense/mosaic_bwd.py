@@ -61,25 +61,23 @@ reduction, so each program stores its partial dQ tiles into its own slice of a
 `[key tiles, B, T, N, H]` buffer that is summed afterwards (small shapes only).
 
 Speed (H100, N32 / K8 H128 bf16, forward + backward with the Mosaic forward,
-benchmarks/prefill.json): causal S8K / 16K / 32K 0.99x / 0.97x / 0.97x cuDNN's (backward 436 / 477 /
-496 TFLOP/s against cuDNN's 445 / 513 / 527); window 2048 + 64 sinks at S8K 0.93x cuDNN's window
-without sinks; S128K 0.99x (no S x S buffer; backward 504 TFLOP/s against 516). The Triton backward
-takes 1.1-1.2x as long at causal S8K-32K. Launch order matters at long S: Q / dO / dQ tiles are
-reused in L2 only while the programs walking them stay close. With KV head fastest, the S128K step
-took 0.94-1.32 s from call to call; key tile fastest (`Config.key_tiles_fastest_from`) runs it in
-0.92 s every call; it is 1% faster at S64K, 1% slower at S32K and 3% at S8K, hence the threshold.
-Registers are the limit: at 255 per thread ptxas still spills a little (`MOSAIC_GPU_DUMP_PTXAS=1`
-shows it). Getting dQ out (the shared-memory store and the reduce-add) is about a fifth of the
-causal backward at S8K-16K (the kernel without it: 2.5 ms against 3.2 at S8K); overlapping it with
-the next step's products keeps another dQ tile live, and ptxas then serialises the wgmmas: freeing
-registers comes first. Where they go: the mask code of the masked steps is most of the spills (156
-bytes causal, 292 with a window and sinks; 20 without masks), and the per-step `lse` / `delta` row
-vectors cost about 7% of the causal forward + backward at S8K-16K (without them the spills are 116
-bytes, with neither none). A third shared-memory slot for the query tiles (`stages=3`) is slower.
-With a window and sinks, a key tile holding sinks is walked by every query tile (`G T / block_q`
-steps, against `G (window + 2 block_kv) / block_q` for the others). Cut into one program per query
-head, with dK / dV partial sums added afterwards, it ran 5% slower at S8K, and the causal cases,
-which never cut, 1-2% slower for the extra index arithmetic: the tile stays one program.
+benchmarks/prefill.json): causal S8K / 16K / 32K 1.08x / 1.01x / 1.00x cuDNN's (backward 486 / 521
+/ 531 TFLOP/s against cuDNN's 443 / 531 / 539); window 2048 + 64 sinks at S8K 1.01x cuDNN's window
+without sinks; S128K 1.02x (no S x S buffer; backward 539 TFLOP/s against 534). The Triton backward
+takes 1.1-1.2x as long at causal S8K-32K. Registers are the limit: at 255 per thread ptxas spills
+96 bytes causal, 240 with a window and sinks (`MOSAIC_GPU_DUMP_PTXAS=1` shows it), most of it in
+the masked steps' mask code. Hence the accumulator starts: `lse` / `delta` as per-step row vectors
+take 32 registers a thread and make the forward + backward 2-6% slower (spills 156 / 292 bytes);
+the dQ accumulator scoped to the whole step is 0.4-3% slower, dK issued before dQ about 0.5% (1%
+with a window). Launch order matters from S16K on: Q / dO / dQ tiles are reused in
+L2 only while the programs walking them stay close, which key tile fastest keeps (S16K 1%, S32K
+3-4% faster than KV head fastest; at S128K KV head fastest varies 0.94-1.32 s from call to call),
+while at S8K KV head fastest is 3% faster. A third shared-memory slot for the query tiles
+(`stages=3`) is slower. With a window and sinks, a key tile holding sinks is walked by every query
+tile (`G T / block_q` steps, against `G (window + 2 block_kv) / block_q` for the others). Cut into
+one program per query head, with dK / dV partial sums added afterwards, it ran 5% slower at S8K,
+and the causal cases, which never cut, 1-2% slower for the extra index arithmetic: the tile stays
+one program.
 """
 
 from __future__ import annotations
