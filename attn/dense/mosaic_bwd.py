@@ -9,10 +9,11 @@ TMA reduce-add (one bulk operation per tile, done in L2), which the Triton route
 jax-triton cannot express (its per-element atomics are slower than the second kernel).
 
 Programs: one per (key tile of `2 * block_kv` keys, KV head, request). Mosaic GPU launches the
-grid's last axis fastest. Below `Config.key_tiles_fastest_from` keys the order is requests, then KV
-heads, then key tiles, the first (longest causal, and the sink tile) first; from there on key tiles
-go fastest, so that the programs running together walk the same query tiles a couple of steps apart
-and share them in L2 (Speed). Two warp groups, each owning `block_kv` keys: their K / V rows stay in
+grid's last axis fastest. By default the order is requests, then KV heads, then key tiles, the
+first (longest causal, and the sink tile) first; without sinks, from
+`Config.key_tiles_fastest_from` keys on, key tiles go fastest, so that the programs running
+together walk the same query tiles a couple of steps apart and share them in L2 (Speed).
+`key_tiles_fastest` decides. Two warp groups, each owning `block_kv` keys: their K / V rows stay in
 shared memory and their dK / dV accumulate in registers over every query tile of every query head of
 the KV head (the heads of a group sum in registers: no dK / dV reduction afterwards). The query
 tiles (Q, dO and the rows' `lse`, `delta`) stream through a ring of `stages` shared-memory slots;
@@ -71,8 +72,10 @@ take 32 registers a thread and make the forward + backward 2-6% slower (spills 1
 the dQ accumulator scoped to the whole step is 0.4-3% slower, dK issued before dQ about 0.5% (1%
 with a window). Launch order matters from S16K on: Q / dO / dQ tiles are reused in
 L2 only while the programs walking them stay close, which key tile fastest keeps (S16K 1%, S32K
-3-4% faster than KV head fastest; at S128K KV head fastest varies 0.94-1.32 s from call to call),
-while at S8K KV head fastest is 3% faster. A third shared-memory slot for the query tiles
+3-4% faster than KV head fastest, causal; at S128K KV head fastest varies 0.94-1.32 s from call to
+call), while at S8K KV head fastest is 3% faster; with sinks, KV head fastest always
+(`key_tiles_fastest`). Window 2048 + 64 sinks at S16K / S32K: 1.02x-1.04x cuDNN's window without
+sinks. A third shared-memory slot for the query tiles
 (`stages=3`) is slower. With a window and sinks, a key tile holding sinks is walked by every query
 tile (`G T / block_q` steps, against `G (window + 2 block_kv) / block_q` for the others). Cut into
 one program per query head, with dK / dV partial sums added afterwards, it ran 5% slower at S8K,
@@ -120,6 +123,16 @@ class Config:
 
 def _cdiv(a, b):
     return (a + b - 1) // b
+
+
+def key_tiles_fastest(s: int, sinks: int, config: Config) -> bool:
+    """Whether programs launch key tile fastest: from `config.key_tiles_fastest_from` keys on,
+    and never with sinks. A key tile holding sinks is walked by every query tile, `S / (window +
+    2 block_kv)` times as many steps as the others; key tile fastest would start the last KV
+    head's sink tile near the end of the launch, and the backward would wait for it (H100, window
+    2048 + 64 sinks, S16K / S32K: 1.37x / 1.39x the time of KV head fastest, which starts every
+    sink tile first)."""
+    return s >= config.key_tiles_fastest_from and sinks == 0
 
 
 def query_ranges(k0, keys: int, *, block_q: int, q_len: int, causal: bool, window: int,
@@ -463,7 +476,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
     # Consecutive programs differ in the last grid axis (CUDA's x). Key tile fastest puts the
     # programs running together on neighbouring key tiles of one head, each two steps behind
     # the next on the same query tiles: at long S that keeps Q / dO / dQ reuse in L2 (Speed).
-    if s >= config.key_tiles_fastest_from:
+    if key_tiles_fastest(s, sinks, config):
         grid, names = (kh, b, num_kv), ("kv_heads", "batch", "kv_seq")
     else:
         grid, names = (num_kv, kh, b), ("kv_seq", "kv_heads", "batch")

@@ -181,3 +181,14 @@ def test_compiled_launch_orders_agree():
     # dQ's reduce-adds land in another order: equal up to float32 rounding.
     heads_first, keys_first = _both_launch_orders(interpret=False)
     _check(keys_first, [x.astype(jnp.float32) for x in heads_first], 1e-3)
+
+
+def test_sink_tiles_launch_first():
+    # A key tile holding sinks is the longest program by far: with sinks the launch stays KV
+    # head fastest (every sink tile starts first) at any length; causal goes key tile fastest
+    # from the threshold on.
+    config = mosaic_bwd.Config(key_tiles_fastest_from=16384)
+    assert not mosaic_bwd.key_tiles_fastest(8192, 0, config)
+    assert mosaic_bwd.key_tiles_fastest(16384, 0, config)
+    for s in (8192, 16384, 131072):
+        assert not mosaic_bwd.key_tiles_fastest(s, 64, config)
