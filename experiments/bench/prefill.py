@@ -12,12 +12,13 @@ forward + backward (`flash_prefill_fwd_bwd`). Shapes B1, N32 / K8, H128, bf16.
 - `window_prefill`: S64K, window 4K, sink 128. TFLOP/s on the visible pairs. Anchors: cuDNN's and
   tokamax's sliding window (`local_window_size=(window - 1, 0)`; neither has sinks, so our no-sink
   time is reported beside them). Goal `speedup_vs_anchor >= 0.9` (cuDNN).
-- `flash_prefill_fwd_bwd`: forward + backward at `seqs` (causal) and with `window` + `sink` at the
-  first, through `attention(implementation="auto")`, against cuDNN's and tokamax's (`tokamax_ms`,
-  the implementation its default picks; window without sinks for both); FLOPs
-  3.5x the forward's (FA's count); the backward alone (`bwd_ms`, `bwd_tflops`, and the anchor's)
-  is fwd+bwd minus the forward. Goal `speedup_vs_anchor >= 1.0`. `long_seqs` (S128K): the step
-  runs on one GPU.
+- `flash_prefill_fwd_bwd`: forward + backward at `seqs` (causal) and with `window` + `sink` at
+  `window_seqs` (the longer one shows whether the sink tiles, the longest backward programs, start
+  first), through `attention(implementation="auto")`, against cuDNN's and tokamax's
+  (`tokamax_ms`, the implementation its default picks; window without sinks for both); FLOPs 3.5x
+  the forward's (FA's count); the backward alone (`bwd_ms`, `bwd_tflops`, and the anchor's) is
+  fwd+bwd minus the forward. Goal `speedup_vs_anchor >= 1.0`. `long_seqs` (S128K): the step runs
+  on one GPU.
 - `softcap_prefill`: causal with logit soft-capping (`softcap`, Gemma 2's 50) at `seqs`, through
   `attention(implementation="auto")` (the Triton kernel: Mosaic GPU has no soft-capping); the
   anchor is the same call without `softcap`, so the row is the cost of the cap. Goal
@@ -80,7 +81,7 @@ class WindowArgs:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BackwardArgs:
-    """Forward + backward, causal at `seqs` and with `window` + `sink` at `seqs[0]` (PERF.md);
+    """Forward + backward, causal at `seqs` and with `window` + `sink` at `window_seqs` (PERF.md);
     `long_seqs`: causal rows that show a step fits (no S x S buffer)."""
 
     batch: int = 1
@@ -90,8 +91,10 @@ class BackwardArgs:
     seqs: tuple[int, ...] = (8192, 16384, 32768)
     window: int = 2048
     sink: int = 64
+    window_seqs: tuple[int, ...] = (8192, 32768)
     long_seqs: tuple[int, ...] = (131072,)
-    QUICK: ClassVar[dict] = dict(QUICK_HEADS, seqs=(96,), window=24, sink=4, long_seqs=())
+    QUICK: ClassVar[dict] = dict(QUICK_HEADS, seqs=(96,), window=24, sink=4, window_seqs=(96,),
+                                 long_seqs=())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -328,7 +331,7 @@ def backward_rows(a: BackwardArgs, ctx: core.Context):
     """Causal and windowed forward + backward against cuDNN's; the backward alone is the
     difference to each one's forward, timed in the same process."""
     b, n, kh, h = a.batch, a.heads, a.kv_heads, a.head_dim
-    cases = ([(s, None) for s in a.seqs] + [(a.seqs[0], a.window)]
+    cases = ([(s, None) for s in a.seqs] + [(s, a.window) for s in a.window_seqs]
              + [(s, None) for s in a.long_seqs])
     for s, w in cases:
         q, k, v = core.qkv(s + 3, b, s, n, kh, h)
