@@ -601,10 +601,19 @@ def backward(q, k, v, out, lse, d_out, d_lse, eff, blocks, count, whole, q_lengt
         grid=(units.shape[1],), num_warps=config.dkv_num_warps,
         num_stages=config.dkv_num_stages, NUM_N=num_n, UNITS=units.shape[1], BLOCK_M=kv_m,
         BLOCK_N=kv_n, **dims)
-    dk, dv = triton_call(
+    return (dq, *add_cut_partials(pk, pv, cut, dk, dv, scale=scale, block_n=kv_n))
+
+
+def add_cut_partials(pk, pv, cut, dk, dv, *, scale: float, block_n: int):
+    """`(dk, dv)` with the key rows of the cut programs (`dkv_schedule`'s `cut`) replaced by the
+    sums of their float32 partials `pk`, `pv` (`[slots, block_n, >= H]`, dK unscaled), added in
+    slot order by `_dkdv_reduce_kernel`."""
+    b, s, kh, h = dk.shape
+    hv = dv.shape[-1]
+    return triton_call(
         pk, pv, cut, dk, dv, kernel=_dkdv_reduce_kernel,
-        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        out_shape=(jax.ShapeDtypeStruct(dk.shape, dk.dtype),
+                   jax.ShapeDtypeStruct(dv.shape, dv.dtype)),
         input_output_aliases={3: 0, 4: 1}, grid=(cut.shape[1],), num_warps=4,
-        SCALE=float(scale), B=b, S=s, K=kh, H=h, HV=hv, NUM_N=num_n, CUTS=cut.shape[1],
-        BLOCK_N=kv_n, BLOCK_H=dims["BLOCK_H"], BLOCK_HV=dims["BLOCK_HV"])
-    return dq, dk, dv
+        SCALE=float(scale), B=b, S=s, K=kh, H=h, HV=hv, NUM_N=triton.cdiv(s, block_n),
+        CUTS=cut.shape[1], BLOCK_N=block_n, BLOCK_H=pk.shape[-1], BLOCK_HV=pv.shape[-1])

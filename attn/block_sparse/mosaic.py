@@ -16,9 +16,10 @@ L2), then query tiles (longest lists first), then KV heads, then requests, as th
 
 Supports: `T == S`, full lengths (no `q_lengths` / `kv_lengths` shorter than the arrays),
 `block_size` 128, `H == Hv` in {64, 128}, bf16 / f16, `T` a multiple of 128. `supports` says
-why not for anything else (the public op then runs the Triton kernel). Gradients: the Triton
-backward (`attn/block_sparse/_triton_bwd.py`) from this forward's out and lse
-(`triton.differentiable`). On a CPU it runs in Pallas's
+why not for anything else (the public op then runs the Triton kernel). Gradients: the fused Mosaic
+backward (`attn/block_sparse/mosaic_bwd.py`, `H == 128`), else the Triton backward
+(`attn/block_sparse/_triton_bwd.py`), from this forward's out and lse (`triton.differentiable`).
+On a CPU it runs in Pallas's
 Mosaic GPU interpreter with `Config(interpret=True)` (the tests). NaN: as the dense Mosaic
 forward, a non-finite value in a masked (diagonal) step still reaches the rows of the step that
 do not see it (issue 20; `attn/dense/mosaic.py` says why); the Triton kernel does not leak.
@@ -35,7 +36,8 @@ import numpy as np
 from jax import lax
 
 from attn import _checks
-from attn.block_sparse import reference, triton
+from attn._op import device_facts
+from attn.block_sparse import mosaic_bwd, reference, triton
 from attn.block_sparse.triton import block_lists
 from attn.dense import mosaic as dense_mosaic
 
@@ -45,9 +47,15 @@ _BLOCK = 128  # tokens a block = rows a program = keys a step
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """The tile schedule is fixed (128-token blocks, two 64-row compute groups, two slots);
-    `interpret` runs Pallas's Mosaic GPU interpreter (on the CPU: the tests)."""
+    `interpret` runs Pallas's Mosaic GPU interpreter (on the CPU: the tests).
+
+    Gradients come from the fused Mosaic backward (`attn/block_sparse/mosaic_bwd.py`) where it
+    runs (`fused_backward` and its `supports` empty), else from the Triton backward;
+    `backward_sms` sets the fused backward schedule's fair share (default: the device's SMs)."""
 
     interpret: bool = False
+    fused_backward: bool = True
+    backward_sms: int | None = None
 
 
 def default_config(args: dict) -> Config:
@@ -114,25 +122,31 @@ def _forward(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_l
     return _launch(q, k, v, blocks, count, whole, scale=scale, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "config"))
 def _block_sparse(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, *, block_size,
-                  scale, interpret):
+                  scale, config):
     b, t = q.shape[:2]
     lengths = jnp.full((b,), t, jnp.int32)
     forward = functools.partial(_forward, block_size=block_size, scale=scale,
-                                interpret=interpret)
+                                interpret=config.interpret)
+    fused = None
+    if config.fused_backward and not mosaic_bwd.supports(q.shape, block_size):
+        fused = functools.partial(
+            mosaic_bwd.backward, num_sms=config.backward_sms or device_facts().num_sms,
+            config=mosaic_bwd.mosaic_bwd.Config(interpret=config.interpret))
     return triton.differentiable(
         q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, lengths, lengths,
         forward, block_size, scale,
-        triton.default_config(q.shape[-1], v.shape[-1], q.dtype.itemsize))
+        triton.default_config(q.shape[-1], v.shape[-1], q.dtype.itemsize), fused)
 
 
 def block_sparse_attention(q, k, v, head_mask_type, block_mask=None, *, block_size=128,
                            sink_blocks=1, local_blocks=16, q_lengths=None, kv_lengths=None,
                            scale=None, config: Config | None = None):
-    """Block-sparse prefill through the Mosaic GPU kernel, differentiable through the Triton
-    backward; arguments as `attn.block_sparse.block_sparse_attention` (validated there, and
-    `supports` empty), plus `config`.
+    """Block-sparse prefill through the Mosaic GPU kernel, differentiable through the fused
+    Mosaic backward or the Triton one (`Config`); arguments as
+    `attn.block_sparse.block_sparse_attention` (validated there, and `supports` empty), plus
+    `config`.
 
     Returns:
       `(out [B, T, N, H] in q's dtype, lse [B, T, N] float32)`.
@@ -144,4 +158,4 @@ def block_sparse_attention(q, k, v, head_mask_type, block_mask=None, *, block_si
     per_head = [jnp.broadcast_to(jnp.asarray(x, jnp.int32), (n,))
                 for x in (sink_blocks, local_blocks)]
     return _block_sparse(q, k, v, jnp.asarray(head_mask_type, jnp.int32), block_mask, *per_head,
-                         block_size=block_size, scale=scale, interpret=config.interpret)
+                         block_size=block_size, scale=scale, config=config)

@@ -427,50 +427,55 @@ def clamped_lengths(q_lengths, kv_lengths, b: int, t: int, s: int):
     return q_len, kv_len
 
 
-def _lists(q, k, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len,
-           block_size):
-    """The effective block mask and the forward's lists (`block_lists`)."""
-    eff = reference.effective_block_mask(
+def _effective(q, k, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len,
+               block_size):
+    """The effective block mask (`reference.effective_block_mask`)."""
+    return reference.effective_block_mask(
         head_mask_type, block_mask, num_q_tokens=q.shape[1], num_kv_tokens=k.shape[1],
         block_size=block_size, sink_blocks=sink_blocks, local_blocks=local_blocks,
         q_lengths=q_len, kv_lengths=kv_len)
-    return eff, block_lists(eff, q_len, kv_len, block_size)
 
 
 def _forward(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len, *,
              block_size, scale, config):
-    _, (blocks, count, whole) = _lists(q, k, head_mask_type, block_mask, sink_blocks,
-                                       local_blocks, q_len, kv_len, block_size)
+    eff = _effective(q, k, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len,
+                     block_size)
+    blocks, count, whole = block_lists(eff, q_len, kv_len, block_size)
     return _launch(q, k, v, blocks, count, whole, q_len, kv_len, scale=scale,
                    block_size=block_size, config=config)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
 def differentiable(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len,
-                   forward, block_size, scale, config):
+                   forward, block_size, scale, config, fused_backward=None):
     """`forward(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len)`
     (this module's kernel or the Mosaic one: `(out, lse)`) with the Triton backward
-    (`_triton_bwd.py`, launched with `config`) as its VJP. Lengths clamped `[B]` int32, counts
-    `[N]` int32."""
+    (`_triton_bwd.py`, launched with `config`) as its VJP, or `fused_backward(q, k, v, out, lse,
+    d_out, d_lse, eff, scale=)` (`attn/block_sparse/mosaic_bwd.py`) when given. Lengths clamped
+    `[B]` int32, counts `[N]` int32."""
     return forward(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len)
 
 
 def _differentiable_fwd(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len,
-                        kv_len, forward, block_size, scale, config):
+                        kv_len, forward, block_size, scale, config, fused_backward):
     out, lse = forward(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, q_len,
                        kv_len)
     return (out, lse), (q, k, v, out, lse, head_mask_type, block_mask, sink_blocks,
                         local_blocks, q_len, kv_len)
 
 
-def _differentiable_bwd(forward, block_size, scale, config, res, cotangents):
+def _differentiable_bwd(forward, block_size, scale, config, fused_backward, res, cotangents):
     del forward
     q, k, v, out, lse, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len = res
     d_out, d_lse = cotangents
     # The lists are rebuilt rather than kept from the forward: `[B, N, Tb, Sb]` int32 of memory
     # against a few XLA passes over the block mask.
-    eff, (blocks, count, whole) = _lists(q, k, head_mask_type, block_mask, sink_blocks,
-                                         local_blocks, q_len, kv_len, block_size)
+    eff = _effective(q, k, head_mask_type, block_mask, sink_blocks, local_blocks, q_len, kv_len,
+                     block_size)
+    if fused_backward is not None:
+        dq, dk, dv = fused_backward(q, k, v, out, lse, d_out, d_lse, eff, scale=scale)
+        return dq, dk, dv, None, None, None, None, None, None
+    blocks, count, whole = block_lists(eff, q_len, kv_len, block_size)
     dq, dk, dv = _triton_bwd.backward(
         q, k, v, out, lse, d_out, d_lse, eff, blocks, count, whole, q_len, kv_len,
         block_size=block_size, scale=scale, config=config, num_sms=device_facts().num_sms)

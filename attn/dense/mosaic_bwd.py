@@ -88,6 +88,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -236,27 +237,56 @@ def _transposed(plgpu, ref):
     return plgpu.transpose_ref(ref, (1, 0))
 
 
-def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, window: int,
-             sinks: int, config: Config):
-    """`(dq, dk, dv)` of the Mosaic forward's `(out, lse)` with cotangents `(d_out, d_lse)`;
-    shapes as `attn.dense.mosaic.attention` accepts them, `H == 128`, `T` a multiple of
-    `block_q` and `S` of `2 * block_kv`."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Walk:
+    """What one backward program walks, built inside the kernel from its grid indices and the
+    schedule's refs (traced scalars): the `2 * block_kv` keys of key tile `key_tile` of
+    `kv_head` in request `batch`, and `total` steps of `block_q` query rows. Step `i` reads query
+    tile `tile_of(i) = (query head, query tile)`; `runs(step_fn, carry)` calls `step_fn(i,
+    carry, masked=mode)` for every step in order, `mode` None for a step whose every pair is
+    visible, else the name `visible(mode, pos, key)` takes (the token rule of those steps; `pos`
+    None for a rule without positions). dK / dV go to the key rows if `slot < 0`, else to
+    float32 partial slot `slot` (unscaled: a program cut in parts, summed afterwards);
+    `writes` False: nothing (a launch slot with no program)."""
+
+    batch: object
+    kv_head: object
+    key_tile: object
+    total: object
+    tile_of: Callable
+    runs: Callable
+    visible: Callable
+    slot: object = -1
+    writes: object = True
+
+
+def backward_call(q, k, v, out, lse, d_out, d_lse, schedule, *, walk_of: Callable, grid,
+                  grid_names, seen, partial_slots: int, scale: float, config: Config):
+    """The fused backward kernel over any schedule: `walk_of(*schedule_refs)` builds each
+    program's `Walk` (the dense one: `backward`; block-sparse lists:
+    `attn/block_sparse/mosaic_bwd.py`). Programs launch over `grid` (named `grid_names`, the
+    last fastest). Shapes as `backward`. In the interpreter every program's partial dQ goes to
+    its key tile's slice of a buffer, summed where `seen` (`[key tiles, B, T, N]`, broadcastable)
+    says the key tile's programs walked the row's query tile.
+
+    Returns:
+      `(dq, dk, dv)`, and with `partial_slots` the float32 partial sums `(pk, pv)` `[slots, 2
+      block_kv, H]` of the programs with `slot >= 0` (whose key rows in dk / dv are not written).
+    """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from attn.dense.mosaic import _interpret_params
 
     b, t, n, h = q.shape
-    s, kh = k.shape[1], k.shape[2]
-    g = n // kh
+    s = k.shape[1]
     bq, bkv, stages = config.block_q, config.block_kv, config.stages
     keys, half = 2 * bkv, h // 2
     num_q, num_kv = t // bq, s // keys
     dtype = q.dtype
     scale_log2 = scale * LOG2E
     interpret = _interpret_params() if config.interpret else None
-    ranges = functools.partial(query_ranges, block_q=bq, q_len=t, causal=causal, window=window,
-                               sinks=sinks)
+    schedule = tuple(schedule)
 
     # Row statistics, one [2, block_q] tile per (request, head, query tile): `row_stats`.
     if interpret is None:
@@ -283,25 +313,22 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
         def zero_grads():
             return jnp.zeros((bkv, h), jnp.float32)
 
-    visible = functools.partial(run_visible, causal=causal, window=window, sinks=sinks,
-                                keys=keys, block_q=bq)
-
-    def kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dk_ref, dv_ref, scoped):
-        ((k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem),
+    def kernel(*refs):
+        q_ref, k_ref, v_ref, do_ref, stats_ref = refs[:5]
+        schedule_refs = refs[5:5 + len(schedule)]
+        refs = refs[5 + len(schedule):]
+        # dQ: the float32 accumulator (compiled), the key tiles' partial buffer (interpreted)
+        dq_ref, dk_ref, dv_ref, *partial_refs, scoped = refs
+        ((k_smem, v_smem, streams, stats_smem, ds_smem, dq_smem),
          (k_ready, v_ready, q_ready, do_ready, stats_ready), ds_ready, done) = scoped
+        q_smem, do_smem, *partial_smem = streams
         wg = lax.axis_index("wg")
-        tile = lax.axis_index("kv_seq")
-        kv_head, bi = lax.axis_index("kv_heads"), lax.axis_index("batch")
-        k0 = tile * keys
-        kw0 = k0 + wg * bkv
-        lo, full_lo, full_hi, sinks_lo, hi = ranges(k0, keys)
-        total = g * (hi - lo)  # steps: every query tile that sees the keys, head by head
-
-        def head_and_tile(step):
-            return kv_head * g + step // (hi - lo), lo + lax.rem(step, hi - lo)
+        walk = walk_of(*schedule_refs)
+        bi, kv_head, total = walk.batch, walk.kv_head, walk.total
+        kw0 = walk.key_tile * keys + wg * bkv
 
         def load(step):  # a step's query tile into its slot (group 0 issues it)
-            head, qt = head_and_tile(step)
+            head, qt = walk.tile_of(step)
             slot, rows = lax.rem(step, stages), pl.ds(qt * bq, bq)
             plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], q_smem.at[slot], q_ready.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, head], do_smem.at[slot],
@@ -338,7 +365,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
             pt = jnp.exp2(st * scale_log2)
             if masked:  # selected, not multiplied: a NaN score must not survive as 0 * NaN
                 pos = qt * bq + iota(st.shape, 1) if masked != "sinks" else None
-                pt = jnp.where(visible(masked, pos, kw0 + iota(st.shape, 0)), pt, 0.0)
+                pt = jnp.where(walk.visible(masked, pos, kw0 + iota(st.shape, 0)), pt, 0.0)
             return pt
 
         def exchange(dst, step):
@@ -355,15 +382,15 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
             return ds_smem.at[buf]
 
         def reduce_dq(dq, step):
-            head, qt = head_and_tile(step)
+            head, qt = walk.tile_of(step)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # step - 1's reduction has read it
             dq_tile[...] = dq
             plgpu.commit_smem()
             if interpret is None:
                 plgpu.copy_smem_to_gmem(dq_tile, dq_ref.at[bi, head, qt, wg], reduction_op="add")
-            else:  # no TMA reduction in the interpreter: this program's own slice
-                plgpu.copy_smem_to_gmem(
-                    dq_tile, dq_ref.at[tile, bi, pl.ds(qt * bq, bq), head, pl.ds(wg * half, half)])
+            else:  # no TMA reduction in the interpreter: the key tile's own slice
+                plgpu.copy_smem_to_gmem(dq_tile, dq_ref.at[walk.key_tile, bi, pl.ds(qt * bq, bq),
+                                                           head, pl.ds(wg * half, half)])
 
         def dq_and_dk(ds, dst, q_tile, dk_acc, step, dq_acc):
             """This group's half of the step's dQ, reduce-added, and its dK product. dQ is issued
@@ -378,7 +405,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
             slot = lax.rem(step, stages)
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(do_ready.at[slot])
-            _, qt = head_and_tile(step)
+            _, qt = walk.tile_of(step)
             return slot, qt, q_smem.at[slot], do_smem.at[slot]
 
         def compiled_step(grad_refs, step, carry, masked):
@@ -419,51 +446,60 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
             reduce_dq(dq, step)
             return dk, dv
 
-        def walk(step_fn, carry):
-            """Every step in order: per query head of the group, its runs of query tiles
-            (`query_ranges`): masked on the diagonal, whole, masked at the window's far edge and
-            past it (sinks)."""
-            def one_head(i, carry):
-                first = i * (hi - lo) - lo
-                for a, z, masked in ((lo, full_lo, "diagonal"), (full_lo, full_hi, None),
-                                     (full_hi, sinks_lo, "edge"), (sinks_lo, hi, "sinks")):
-                    carry = lax.fori_loop(first + a, first + z,
-                                          functools.partial(step_fn, masked=masked), carry)
-                return carry
-            return lax.fori_loop(0, g, one_head, carry)
-
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
         plgpu.barrier_wait(k_ready.at[1 - wg])  # the dQ product reads the other group's K
         if interpret is None:
             def grads(grad_refs):
-                walk(functools.partial(compiled_step, grad_refs), jnp.int32(0))
+                walk.runs(functools.partial(compiled_step, grad_refs), jnp.int32(0))
 
             dv, dk = pl.run_state(grads)((plgpu.ACC.init(zero_grads()),
                                           plgpu.ACC.init(zero_grads())))
         else:
-            dk, dv = walk(interpreted_step, (zero_grads(), zero_grads()))
+            dk, dv = walk.runs(interpreted_step, (zero_grads(), zero_grads()))
 
         # The other group may still read K for its last dQ product.
         plgpu.barrier_arrive(done)
         plgpu.barrier_wait(done)
-        k_rows[...] = (dk * scale).astype(dtype)
-        v_rows[...] = dv.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_rows, dk_ref.at[bi, pl.ds(kw0, bkv), kv_head])
-        plgpu.copy_smem_to_gmem(v_rows, dv_ref.at[bi, pl.ds(kw0, bkv), kv_head])
-        plgpu.wait_smem_to_gmem(0)
+        rows = pl.ds(kw0, bkv)
+
+        @pl.when(walk.writes & (walk.slot < 0))
+        def _():
+            k_rows[...] = (dk * scale).astype(dtype)
+            v_rows[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_rows, dk_ref.at[bi, rows, kv_head])
+            plgpu.copy_smem_to_gmem(v_rows, dv_ref.at[bi, rows, kv_head])
+            plgpu.wait_smem_to_gmem(0)
+
+        if partial_slots:
+            # Float32 partial sums through the query tiles' slots (every load there has been
+            # read): dK, then dV.
+            @pl.when(walk.writes & (walk.slot >= 0))
+            def _():
+                part = partial_smem[0].at[pl.ds(wg * bkv, bkv)]
+                for grad, ref in ((dk, partial_refs[0]), (dv, partial_refs[1])):
+                    part[...] = grad
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(part, ref.at[walk.slot, pl.ds(wg * bkv, bkv)])
+                    plgpu.wait_smem_to_gmem(0)
 
     tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     f32_tiles = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+    streams = (plgpu.SMEM((stages, bq, h), dtype, transforms=tiles),
+               plgpu.SMEM((stages, bq, h), dtype, transforms=tiles))
+    if partial_slots:
+        partial = plgpu.SMEM((keys, h), jnp.float32, transforms=f32_tiles)
+        # Compiled, the partial sums' buffer shares the query tiles' memory (227 KB a program).
+        streams = (plgpu.RefUnion(streams, partial) if interpret is None
+                   else (*streams, partial))
 
     def entry(*refs):
         pl.run_scoped(
             lambda *scoped: kernel(*refs, scoped),
             (plgpu.SMEM((keys, h), dtype, transforms=tiles),
              plgpu.SMEM((keys, h), dtype, transforms=tiles),
-             plgpu.SMEM((stages, bq, h), dtype, transforms=tiles),
-             plgpu.SMEM((stages, bq, h), dtype, transforms=tiles),
+             streams,
              plgpu.SMEM((stages, 2, bq), jnp.float32),
              plgpu.SMEM((2, keys, bq), dtype, transforms=tiles),
              plgpu.SMEM((2, bq, half), jnp.float32, transforms=f32_tiles)),
@@ -473,30 +509,79 @@ def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, win
             collective_axes="wg",
         )
 
-    # Consecutive programs differ in the last grid axis (CUDA's x). Key tile fastest puts the
-    # programs running together on neighbouring key tiles of one head, each two steps behind
-    # the next on the same query tiles: at long S that keeps Q / dO / dQ reuse in L2 (Speed).
-    if key_tiles_fastest(s, sinks, config):
-        grid, names = (kh, b, num_kv), ("kv_heads", "batch", "kv_seq")
-    else:
-        grid, names = (num_kv, kh, b), ("kv_seq", "kv_heads", "batch")
-    mesh = plgpu.Mesh(grid=grid, grid_names=names, num_threads=2, thread_name="wg")
-    grads_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
+    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=2, thread_name="wg")
+    out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
+    if partial_slots:
+        out_type += [jax.ShapeDtypeStruct((partial_slots, keys, h), jnp.float32)] * 2
     params = plgpu.CompilerParams(approx_math=True)
     if interpret is None:
         # Tile-contiguous float32 dQ, zeroed, that every program reduce-adds into: `pl.kernel`
         # with a mesh aliases the ref in and out (`plgpu.kernel`'s wrapper rejects refs).
         dq_acc = jax.new_ref(dq_zeros.reshape(b, n, num_q, 2, bq, half))
-        dk, dv = pl.kernel(entry, out_type=grads_type, mesh=mesh, compiler_params=params)(
-            q, k, v, d_out, stats, dq_acc)
+        grads = pl.kernel(entry, out_type=tuple(out_type), mesh=mesh, compiler_params=params)(
+            q, k, v, d_out, stats, *schedule, dq_acc)
         dq = jax.freeze(dq_acc).transpose(0, 2, 4, 1, 3, 5).reshape(q.shape)
     else:
         parts_type = jax.ShapeDtypeStruct((num_kv, *q.shape), jnp.float32)
-        parts, dk, dv = pl.kernel(entry, out_type=(parts_type, *grads_type), mesh=mesh,
+        parts, *grads = pl.kernel(entry, out_type=(parts_type, *out_type), mesh=mesh,
                                   compiler_params=params, interpret=interpret)(
-            q, k, v, d_out, stats)
+            q, k, v, d_out, stats, *schedule)
+        seen = jnp.broadcast_to(seen, (num_kv, b, t, n))
+        dq = jnp.where(seen[..., None], parts, 0.0).sum(axis=0)
+    return ((dq * scale).astype(dtype), *grads)
+
+
+def backward(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float, window: int,
+             sinks: int, config: Config):
+    """`(dq, dk, dv)` of the Mosaic forward's `(out, lse)` with cotangents `(d_out, d_lse)`;
+    shapes as `attn.dense.mosaic.attention` accepts them, `H == 128`, `T` a multiple of
+    `block_q` and `S` of `2 * block_kv`. One program per (key tile, KV head, request), walking
+    its `query_ranges` head by head."""
+    t, n = q.shape[1], q.shape[2]
+    s, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    bq, keys = config.block_q, 2 * config.block_kv
+    num_kv = s // keys
+    ranges = functools.partial(query_ranges, block_q=bq, q_len=t, causal=causal, window=window,
+                               sinks=sinks)
+    visible = functools.partial(run_visible, causal=causal, window=window, sinks=sinks,
+                                keys=keys, block_q=bq)
+
+    def walk_of():
+        tile = lax.axis_index("kv_seq")
+        lo, full_lo, full_hi, sinks_lo, hi = ranges(tile * keys, keys)
+        kv_head = lax.axis_index("kv_heads")
+
+        def tile_of(step):  # every query tile that sees the keys, head by head
+            return kv_head * g + step // (hi - lo), lo + lax.rem(step, hi - lo)
+
+        def runs(step_fn, carry):
+            """Per query head of the group, its runs of query tiles (`query_ranges`): masked on
+            the diagonal, whole, masked at the window's far edge and past it (sinks)."""
+            def one_head(i, carry):
+                first = i * (hi - lo) - lo
+                for a, z, masked in ((lo, full_lo, "diagonal"), (full_lo, full_hi, None),
+                                     (full_hi, sinks_lo, "edge"), (sinks_lo, hi, "sinks")):
+                    carry = lax.fori_loop(first + a, first + z,
+                                          functools.partial(step_fn, masked=masked), carry)
+                return carry
+            return lax.fori_loop(0, g, one_head, carry)
+
+        return Walk(batch=lax.axis_index("batch"), kv_head=kv_head, key_tile=tile,
+                    total=g * (hi - lo), tile_of=tile_of, runs=runs, visible=visible)
+
+    # Consecutive programs differ in the last grid axis (CUDA's x). Key tile fastest puts the
+    # programs running together on neighbouring key tiles of one head, each two steps behind
+    # the next on the same query tiles: at long S that keeps Q / dO / dQ reuse in L2 (Speed).
+    if key_tiles_fastest(s, sinks, config):
+        grid, names = (kh, q.shape[0], num_kv), ("kv_heads", "batch", "kv_seq")
+    else:
+        grid, names = (num_kv, kh, q.shape[0]), ("kv_seq", "kv_heads", "batch")
+    seen = None
+    if config.interpret:  # [key tiles, T]: the query tiles each key tile's programs walk
         lo, *_, hi = jax.vmap(lambda k0: ranges(k0, keys))(jnp.arange(num_kv) * keys)
         tiles_of_t = jnp.arange(t) // bq
-        seen = (tiles_of_t >= lo[:, None]) & (tiles_of_t < hi[:, None])  # [key tiles, T]
-        dq = jnp.where(seen[:, None, :, None, None], parts, 0.0).sum(axis=0)
-    return (dq * scale).astype(dtype), dk, dv
+        seen = ((tiles_of_t >= lo[:, None]) & (tiles_of_t < hi[:, None]))[:, None, :, None]
+    return backward_call(q, k, v, out, lse, d_out, d_lse, (), walk_of=walk_of, grid=grid,
+                         grid_names=names, seen=seen, partial_slots=0, scale=scale,
+                         config=config)
