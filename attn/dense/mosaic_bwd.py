@@ -321,7 +321,7 @@ def backward_call(q, k, v, out, lse, d_out, d_lse, schedule, *, walk_of: Callabl
         dq_ref, dk_ref, dv_ref, *partial_refs, scoped = refs
         ((k_smem, v_smem, streams, stats_smem, ds_smem, dq_smem),
          (k_ready, v_ready, q_ready, do_ready, stats_ready), ds_ready, done) = scoped
-        q_smem, do_smem, *partial_smem = streams
+        (q_smem, do_smem), *partial_smem = streams
         wg = lax.axis_index("wg")
         walk = walk_of(*schedule_refs)
         bi, kv_head, total = walk.batch, walk.kv_head, walk.total
@@ -486,13 +486,13 @@ def backward_call(q, k, v, out, lse, d_out, d_lse, schedule, *, walk_of: Callabl
 
     tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     f32_tiles = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-    streams = (plgpu.SMEM((stages, bq, h), dtype, transforms=tiles),
-               plgpu.SMEM((stages, bq, h), dtype, transforms=tiles))
+    streams = ((plgpu.SMEM((stages, bq, h), dtype, transforms=tiles),
+                plgpu.SMEM((stages, bq, h), dtype, transforms=tiles)),)
     if partial_slots:
-        partial = plgpu.SMEM((keys, h), jnp.float32, transforms=f32_tiles)
+        streams += (plgpu.SMEM((keys, h), jnp.float32, transforms=f32_tiles),)
         # Compiled, the partial sums' buffer shares the query tiles' memory (227 KB a program).
-        streams = (plgpu.RefUnion(streams, partial) if interpret is None
-                   else (*streams, partial))
+        if interpret is None:
+            streams = plgpu.RefUnion(*streams)
 
     def entry(*refs):
         pl.run_scoped(
