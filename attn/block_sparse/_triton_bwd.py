@@ -219,7 +219,9 @@ def dkv_schedule(count, num_n: int, block_n: int, block_size: int, block_m: int,
     ends = jnp.cumsum(c_o)
     max_units = num_programs + extra
     u = jnp.arange(max_units, dtype=jnp.int32)
-    idx = jnp.searchsorted(ends, u, side="right")  # ordered program of unit u
+    # The ordered program of unit u, #{p: ends[p] <= u}, as a scatter and a scan: `searchsorted`
+    # would be a loop of dependent launches on the GPU.
+    idx = jnp.cumsum(jnp.zeros((max_units + 1,), jnp.int32).at[ends].add(1))[:max_units]
     valid = idx < num_programs
     idx = jnp.minimum(idx, num_programs - 1)
     prog = order[idx]
