@@ -20,13 +20,11 @@ forward (`attn/block_sparse/triton.py`). Three kernels:
   backward with 3 dK / dV stages takes 6.88 ms with the cut, 8.08 without).
 - reduce: adds the partial sums of each cut program in order (deterministic, no atomics).
 
-Why not one kernel (the fused Mosaic backward of `attn/dense/mosaic_bwd.py`: 5 tile products a
-step against 7 here): at density 0.1 a key block's selected query tiles are scattered, so the
-programs running together share few of the Q / dO / dQ tiles that the dense kernel's programs
-reuse in L2, and its dQ reduce-adds go to memory. Walking these lists it took 11.8-12.5 ms fwd +
-bwd at S32K and 37.0-40.7 ms at S64K against 8.1 / 30.4 ms here (H100, N32 / K8, H128). With one
-program per query head (one head's tiles fit in L2) it took 9.5 / 30.8 ms, but such a program is
-only ~26 steps at S32K, and its K / V loads and dK / dV stores weigh.
+Where the Mosaic forward runs at `H == 128`, the fused Mosaic backward
+(`attn/block_sparse/mosaic_bwd.py`: 5 tile products a step against 7 here) walks the same
+transposed lists under the same schedule and takes its place; this backward serves every other
+case (any lengths, block sizes, head dims and dtypes) and is the deterministic option
+(`attn.block_sparse.mosaic.Config(fused_backward=False)`).
 
 NaN and masks: in a masked step `dS` (and `P` for dV) is selected by the visibility rather than
 multiplied by `P = 0`, and dQ zeroes non-finite keys before `dS K`, so a NaN key or value that a

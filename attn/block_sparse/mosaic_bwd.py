@@ -19,6 +19,15 @@ the programs in flight all on one KV head, each walking its sibling heads' query
 from its own block, the query tiles they touch together are about one head's worth (Q, dO and
 the float32 dQ: ~16 MB at S32K), so most reduce-adds and tile loads hit L2.
 
+Speed (H100, B1 N32 / K8 H128 bf16, density 0.1, forward + backward with the Mosaic forward,
+benchmarks/sparse_prefill.json): S32K 7.25 ms, S64K 26.7 ms, 1.30x / 1.13x density x our dense
+forward + backward (the dense time moves by up to 8% from H100 to H100 at S64K: in a same-process
+run on another H100 1.27x / 1.22x). The same forward with the Triton backward takes 1.10x /
+1.13x as long. Of the S32K backward, ~0.75 ms does not shrink with the density: the row
+statistics with the zeroed float32 dQ (one pass over O and dO) and dQ's cast, both O(S);
+dense, that is 1-2% of the time. A third query-tile slot (`stages=3`) is 10% slower; cutting at
+half the fair share, 2% slower.
+
 Supports what the Mosaic forward supports (`attn/block_sparse/mosaic.py`: `T == S`, full lengths,
 blocks of 128, bf16 / f16) at `H == 128` (the dense fused kernel's head dim); `supports` says why
 not, and the Triton backward runs instead. Not deterministic (dQ's reduce-adds land in any order;
