@@ -8,6 +8,10 @@ every step's partial dQ goes from shared memory to a float32 accumulator in glob
 TMA reduce-add (one bulk operation per tile, done in L2), which the Triton route through
 jax-triton cannot express (its per-element atomics are slower than the second kernel).
 
+The kernel (`backward_call`) walks whatever each program's `Walk` lists: a key tile of one KV
+head and the query tiles that see it, in runs of whole and masked steps. `backward` is the dense
+schedule below; `attn/block_sparse/mosaic_bwd.py` walks block-sparse lists with the same kernel.
+
 Programs: one per (key tile of `2 * block_kv` keys, KV head, request). Mosaic GPU launches the
 grid's last axis fastest. By default the order is requests, then KV heads, then key tiles, the
 first (longest causal, and the sink tile) first; without sinks, from
