@@ -14,10 +14,10 @@ chunks that write float32 partial sums, which `add_cut_partials` adds afterwards
 the long programs first, then KV head by KV head, key blocks ascending.
 
 Why that order makes the fused form pay here: dQ is summed across programs by TMA reduce-adds
-into a float32 accumulator, which only runs at speed while the rows it adds to are in L2. With
-the programs in flight all on one KV head, each walking its sibling heads' query tiles upward
-from its own block, the query tiles they touch together are about one head's worth (Q, dO and
-the float32 dQ: ~16 MB at S32K), so most reduce-adds and tile loads hit L2.
+into a float32 accumulator, which runs at speed only while the rows it adds to are in L2. With
+the programs in flight all on one KV head, the query tiles they walk (Q, dO, dQ) are its sibling
+heads' only, and they share them in L2; launched with the KV heads interleaved, the same work took
+1.42x as long (S32K), and each list ordered by query tile rather than by sibling head 1.05x.
 
 Speed (H100, B1 N32 / K8 H128 bf16, density 0.1, forward + backward with the Mosaic forward,
 benchmarks/sparse_prefill.json): S32K 7.25 ms, S64K 26.7 ms, 1.30x / 1.13x density x our dense
