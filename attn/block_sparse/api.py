@@ -1,11 +1,12 @@
 """Public block-sparse attention with per-head modes: validation once, then the chosen backend.
 
 `block_sparse_attention` has the `xla` reference, a Triton kernel (`attn/block_sparse/triton.py`)
-and a Mosaic GPU forward (`attn/block_sparse/mosaic.py`); both kernels are differentiated by the
-Triton backward (`attn/block_sparse/_triton_bwd.py`). `auto` picks a kernel on a GPU. Values of
-traced arguments (modes, lengths, per-head sink / local counts) cannot be checked under `jit`;
-they are checked when concrete, and traced lengths are clamped to `[0, T]` / `[0, S]` on every
-backend (`attn.debug_checks` turns them into run-time errors).
+and a Mosaic GPU forward (`attn/block_sparse/mosaic.py`). The Triton kernel is differentiated by
+the Triton backward (`attn/block_sparse/_triton_bwd.py`), the Mosaic one by the fused Mosaic
+backward (`attn/block_sparse/mosaic_bwd.py`) at H == 128, else the Triton backward. `auto` picks a
+kernel on a GPU. Values of traced arguments (modes, lengths, per-head sink / local counts) cannot
+be checked under `jit`; they are checked when concrete, and traced lengths are clamped to `[0, T]`
+/ `[0, S]` on every backend (`attn.debug_checks` turns them into run-time errors).
 """
 
 import jax
@@ -175,7 +176,7 @@ def _triton_config(args):
 
 
 # `block_sparse_attention`'s backends, in `auto`'s order of preference on a GPU; both kernels'
-# gradient is the Triton backward (`triton.differentiable`).
+# gradients go through `triton.differentiable` (the Mosaic one's fused where it runs).
 _BACKENDS = (
     Backend(name="mosaic", run="attn.block_sparse.mosaic:block_sparse_attention",
             supports="attn.block_sparse.mosaic:supports",
@@ -230,8 +231,8 @@ def block_sparse_attention(
       implementation: `"xla"`, `"triton"` (`attn/block_sparse/triton.py`: visits only the selected
         key blocks; its gradient the Triton backward, which does too), `"mosaic"`
         (`attn/block_sparse/mosaic.py`: the same on Hopper through Mosaic GPU; T == S, full
-        lengths, block 128) or `"auto"` (on a GPU the first of mosaic, triton that takes the
-        shapes, XLA where neither does).
+        lengths, block 128; its gradient the fused Mosaic backward at H == 128) or `"auto"` (on
+        a GPU the first of mosaic, triton that takes the shapes, XLA where neither does).
       config: a launch config of the backend it names (`attn.block_sparse.triton.Config`, or
         `attn.block_sparse.mosaic.Config`); default: the backend's heuristic and the tuning
         cache.
