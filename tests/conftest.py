@@ -59,7 +59,28 @@ SLOW_ON_CPU = (
 )
 
 
+# The longest CPU tests (a notebook on real weights, a fake-device subprocess, the README on real
+# weights), longest first. xdist hands tests to its workers in collection order, and these are
+# collected late (tests/models, tests/notebooks): left there, one worker still runs them minutes
+# after the other has run out of tests. Started first, they overlap the many short tests.
+# Node id prefixes; only the order changes.
+LONG_FIRST = (
+    "tests/notebooks/test_notebooks.py::test_notebook_runs[heads]",
+    "tests/models/test_engine_tp.py::test_tensor_parallel_equals_one_device",
+    "tests/notebooks/test_notebooks.py::test_notebook_runs[quickstart]",
+    "tests/models/test_context_parallel_forward.py::test_context_parallel_equals_one_device",
+    "tests/models/test_readme.py::",
+    "tests/notebooks/test_notebooks.py::test_notebook_runs",
+)
+
+
+def _long_first_rank(item) -> int:
+    return next((i for i, prefix in enumerate(LONG_FIRST) if item.nodeid.startswith(prefix)),
+                len(LONG_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_long_first_rank)  # stable: the rest keeps its order
     has_gpu = jax.default_backend() == "gpu"
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on the GPU machine")
     slow = set(SLOW_ON_CPU)
