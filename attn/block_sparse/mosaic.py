@@ -40,6 +40,7 @@ from attn._op import device_facts
 from attn.block_sparse import mosaic_bwd, reference, triton
 from attn.block_sparse.triton import block_lists
 from attn.dense import mosaic as dense_mosaic
+from attn.dense import mosaic_bwd as dense_mosaic_bwd
 
 _BLOCK = 128  # tokens a block = rows a program = keys a step
 
@@ -133,7 +134,7 @@ def _block_sparse(q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks
     if config.fused_backward and not mosaic_bwd.supports(q.shape, block_size):
         fused = functools.partial(
             mosaic_bwd.backward, num_sms=config.backward_sms or device_facts().num_sms,
-            config=mosaic_bwd.mosaic_bwd.Config(interpret=config.interpret))
+            config=dense_mosaic_bwd.Config(interpret=config.interpret))
     return triton.differentiable(
         q, k, v, head_mask_type, block_mask, sink_blocks, local_blocks, lengths, lengths,
         forward, block_size, scale,
