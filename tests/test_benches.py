@@ -125,6 +125,20 @@ def test_sparse_mask_hits_the_target_density():
         assert abs(got - density) < 0.01, (density, got)
 
 
+
+def test_banded_like_keeps_each_rows_count_as_the_nearest_blocks():
+    from experiments.bench.sparse import banded_like, sparse_mask
+
+    mask = np.asarray(sparse_mask(3, 2, 128 * 24, 128, 0.3))
+    band = np.asarray(banded_like(mask))
+    causal = np.tril(np.ones(mask.shape[-2:], bool))
+    assert not (band & ~causal).any()
+    np.testing.assert_array_equal(band.sum(-1), (mask & causal).sum(-1))
+    for h, r in np.ndindex(*band.shape[1:3]):  # the sink, then one run ending at the diagonal
+        cols = np.flatnonzero(band[0, h, r])
+        assert cols[0] == 0 and cols[-1] == r, (h, r, cols)
+        assert (np.diff(cols[1:]) == 1).all(), (h, r, cols)
+
 def test_kilo_names_lengths():
     assert (core.kilo(131072), core.kilo(96), core.kilo(1536)) == ("128K", "96", "1536")
 

@@ -20,12 +20,16 @@ causal self-attention unless said.
   `block_sparse_prefill` group, or measured here).
 - `block_sparse_fwd_bwd`: forward + backward (`jax.grad` of `sum(out * dO)`) at each S of
   `seqs` (32K, 64K), every head in mode 1 with the `block_sparse_prefill` mask at density
-  `density` (0.1): ours as `implementation="auto"` trains through it (Mosaic GPU forward on a
-  Hopper GPU, else Triton; the Triton backward either way; the all-Triton time beside it,
-  `triton_ms`), and our forward alone (`fwd_ms`). FLOPs 3.5x the forward's on the visited pairs
-  (FA's count). Anchor: our dense fwd + bwd (`attn.dense.attention`, causal, `jax.grad`) at
-  that S; also cuDNN's dense fwd + bwd (`cudnn_ms`, `ratio_vs_cudnn_x_density = ms / (density *
-  cudnn_ms)`, information). Goal (PERF.md): `ms <= goal_ms = 1.2 * density * dense_ms`.
+  `density` (0.1): ours as `implementation="auto"` trains through it (on a Hopper GPU the
+  Mosaic GPU forward and, at H128, the fused Mosaic backward; else Triton both ways; the
+  all-Triton time beside it, `triton_ms`), and our forward alone (`fwd_ms`). FLOPs 3.5x the
+  forward's on the visited pairs (FA's count). Anchor: our dense fwd + bwd
+  (`attn.dense.attention`, causal, `jax.grad`) at that S; also cuDNN's dense fwd + bwd
+  (`cudnn_ms`, `ratio_vs_cudnn_x_density = ms / (density * cudnn_ms)`, information). Goal
+  (PERF.md): `ms <= goal_ms = 1.2 * density * dense_ms`. Information: the same op on
+  `banded_like(mask)`, as many blocks in every row, the nearest ones (`banded_ms`,
+  `banded_ratio_vs_density_x_dense`): what the random mask's scattered blocks cost, whose query
+  tiles the backward's programs then share in L2 less often.
   Correctness: at the first S, the gradients with every head in mode 0 (full causal, through the
   same kernels) against the dense ones (`rel_err_full_vs_dense_d{q,k,v}`).
 - `paged_prefill`: a chunk of `chunk` (2K) queries over a cached prefix of `prefixes` (8K, 32K)
@@ -163,6 +167,17 @@ def sparse_mask(seed, n, s, bs, density: float):
     return jnp.asarray(mask)
 
 
+def banded_like(mask):
+    """A mask of `mask`'s shape keeping, in every row, as many causal blocks as `mask` does: the
+    sink block and the nearest blocks up to the diagonal (the same work, neighbouring rows
+    sharing their blocks)."""
+    mask = np.asarray(mask)
+    sb = mask.shape[-1]
+    rows, cols = np.arange(sb)[:, None], np.arange(sb)[None, :]
+    count = (mask & (cols <= rows)).sum(-1, keepdims=True)  # with the diagonal and the sink
+    return jnp.asarray((cols == 0) | ((cols <= rows) & (cols >= rows - count + 2)))
+
+
 def visited(modes, mask, s: int, bs: int) -> tuple[float, float]:
     """`(density, pairs)` of the effective mask: the fraction of the causal blocks visited, and
     the visible query-key pairs in them (a diagonal block counts `bs (bs + 1) / 2`)."""
@@ -264,6 +279,10 @@ def sparse_bwd_rows(a: BlockSparseBwdArgs, ctx: core.Context):
         except NotImplementedError as e:  # Mosaic refuses: the Triton forward is ours
             extra["mosaic_note"] = core.first_line(e, 300)
         extra["fwd_ms"] = round(ctx.time(_sparse_fn(modes, mask, bs, impl), q, k, v), 4)
+        banded = banded_like(mask)
+        banded_ms = ctx.time(_sparse_fn(modes, banded, bs, impl, grad=True), q, k, v, d_out)
+        extra |= {"banded_ms": round(banded_ms, 4), "banded_ratio_vs_density_x_dense": round(
+            banded_ms / (visited(modes, banded, s, bs)[0] * dense_ms), 4)}
         if dense_grads is not None:  # every head full: the dense gradients
             full = _sparse_fn(jnp.zeros((1, n), jnp.int32), None, bs, impl, grad=True)(
                 q, k, v, d_out)
