@@ -1,6 +1,7 @@
 """Every notebook runs top to bottom in a Jupyter kernel (nbclient) at its CPU-sized setting, and
 its `.ipynb` holds the same cells as its jupytext percent script (the reviewed source)."""
 
+import os
 import re
 from pathlib import Path
 
@@ -47,12 +48,15 @@ def _ratio(out: str, label: str) -> float:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, monkeypatch):
-    # A notebook on real weights (SmolLM2) runs real-sized forwards: XLA's full optimisation pays
-    # for itself there. One on tiny random models compiles more than it runs, like the
-    # tiny-shape tests, and keeps their cheap compile mode (conftest): state_pools and serving
-    # run a quarter faster in it.
+    # A notebook on real weights (SmolLM2) runs real-sized forwards: XLA's full optimisation and
+    # its default CPU emitters pay for themselves there (the classic emitters at full
+    # optimisation make heads and quickstart take over a third longer). One on tiny random
+    # models compiles more than it runs, like the tiny-shape tests, and keeps their cheap
+    # compile settings (conftest): state_pools and serving run a quarter faster in them.
     if "load_pretrained(" in path.read_text():
         monkeypatch.delenv("JAX_DISABLE_MOST_OPTIMIZATIONS", raising=False)
+        monkeypatch.setenv("XLA_FLAGS", re.sub(r"\s*--xla_cpu_use_fusion_emitters=\S+", "",
+                                               os.environ.get("XLA_FLAGS", "")))
     out = _execute(path)
     if path.stem == "kv_policies":  # the paged step must reproduce dense attention
         err = float(out.split("max |paged - dense| =")[1].split()[0])
