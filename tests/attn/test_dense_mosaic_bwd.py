@@ -130,13 +130,14 @@ def test_interpreted_backward_matches_reference(case):
     _check(got, want, 1e-2)
 
 
-def _both_launch_orders(interpret):
+def _both_launch_orders(interpret, t):
     """The backward with programs launched KV head fastest and key tile fastest (the order
-    `Config.key_tiles_fastest_from` picks at long S), on a small causal GQA case."""
-    q, k, v, d_out = _inputs(13, b=1, t=384, s=384, kh=2, g=2)
+    `Config.key_tiles_fastest_from` picks at long S), on a small causal GQA case of `t` tokens
+    (two KV heads: from two key tiles on, the two orders launch the programs differently)."""
+    q, k, v, d_out = _inputs(13, b=1, t=t, s=t, kh=2, g=2)
     out, lse = attention(q, k, v, implementation="xla")
     grads = []
-    for first in (385, 384):
+    for first in (t + 1, t):
         config = mosaic_bwd.Config(interpret=interpret, key_tiles_fastest_from=first)
         backward = jax.jit(functools.partial(mosaic_bwd.backward, causal=True, scale=128 ** -0.5,
                                              window=0, sinks=0, config=config))
@@ -146,7 +147,8 @@ def _both_launch_orders(interpret):
 
 def test_interpreted_launch_orders_agree_exactly():
     # The interpreter sums each program's dQ in key-tile order either way: equal bits.
-    heads_first, keys_first = _both_launch_orders(interpret=True)
+    # Two key tiles: the interpreter's time grows with the causal tile pairs.
+    heads_first, keys_first = _both_launch_orders(interpret=True, t=256)
     for name, a, b in zip("qkv", heads_first, keys_first):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                       err_msg=f"d{name}")
@@ -179,7 +181,7 @@ def test_compiled_backward_matches_reference_and_triton(case):
 @pytest.mark.gpu
 def test_compiled_launch_orders_agree():
     # dQ's reduce-adds land in another order: equal up to float32 rounding.
-    heads_first, keys_first = _both_launch_orders(interpret=False)
+    heads_first, keys_first = _both_launch_orders(interpret=False, t=384)
     _check(keys_first, [x.astype(jnp.float32) for x in heads_first], 1e-3)
 
 
