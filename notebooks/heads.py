@@ -141,10 +141,11 @@ params = models.SamplingParams(max_tokens=8, stop_tokens=(tokenizer.eos_token_id
 policies = {"dense": models.Policy.dense(L, K)} | {
     name: models.Policy.headwise(L, K, window=WINDOW, sinks=SINKS, streaming=m)
     for name, m in masks.items()}
-for name, policy in policies.items():
-    reqs = [engine.add(models.Request(list(s.prompt), params, policy)) for s in samples]
-    engine.run()
-    texts = [tokenizer.decode(r.output, skip_special_tokens=True) for r in reqs]
+reqs = {name: [engine.add(models.Request(list(s.prompt), params, policy)) for s in samples]
+        for name, policy in policies.items()}  # a policy is per request: one run serves all
+engine.run()
+for name, policy_reqs in reqs.items():
+    texts = [tokenizer.decode(r.output, skip_special_tokens=True) for r in policy_reqs]
     hits = sum(tasks.solved(t, s.answer) for t, s in zip(texts, samples))
     print(f"{name:>12}: {hits}/{len(samples)} passkeys  {[t.strip()[:12] for t in texts]}")
 
