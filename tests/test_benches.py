@@ -125,7 +125,6 @@ def test_sparse_mask_hits_the_target_density():
         assert abs(got - density) < 0.01, (density, got)
 
 
-
 def test_banded_like_keeps_each_rows_count_as_the_nearest_blocks():
     from experiments.bench.sparse import banded_like, sparse_mask
 
@@ -138,6 +137,7 @@ def test_banded_like_keeps_each_rows_count_as_the_nearest_blocks():
         cols = np.flatnonzero(band[0, h, r])
         assert cols[0] == 0 and cols[-1] == r, (h, r, cols)
         assert (np.diff(cols[1:]) == 1).all(), (h, r, cols)
+
 
 def test_kilo_names_lengths():
     assert (core.kilo(131072), core.kilo(96), core.kilo(1536)) == ("128K", "96", "1536")

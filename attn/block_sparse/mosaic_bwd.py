@@ -26,11 +26,10 @@ blocks in every row as a band of neighbouring blocks, 1.21x / 1.08x: the rest is
 random mask's scattering costs, most likely in L2. A KV head's programs then walk query tiles
 of its sibling heads all over the sequence, whose Q, dO and float32 dQ (4 KB a query for the
 four siblings, 128 MB at S32K) cannot all stay in the 50 MB L2. The same forward with the
-Triton backward takes 1.10x / 1.13x as long.
-Of the S32K backward, ~0.7 ms does not shrink with the density: the row statistics with the
-zeroed float32 dQ (one pass over O and dO, 0.43 ms) and dQ's cast (0.28 ms), both O(S); dense,
-that is 1-2% of the time. A third query-tile slot (`stages=3`) is 10% slower; cutting at
-half the fair share, 2% slower.
+Triton backward takes 1.10x / 1.13x as long. Of the S32K backward, ~0.7 ms does not shrink with
+the density: the row statistics with the zeroed float32 dQ (one pass over O and dO, 0.43 ms) and
+dQ's cast (0.28 ms), both O(S); dense, that is 1-2% of the time. A third query-tile slot
+(`stages=3`) is 10% slower; cutting at half the fair share, 2% slower.
 
 Supports what the Mosaic forward supports (`attn/block_sparse/mosaic.py`: `T == S`, full lengths,
 blocks of 128, bf16 / f16) at `H == 128` (the dense fused kernel's head dim); `supports` says why
