@@ -111,6 +111,29 @@ def test_context_memoises_figures_and_times_once_when_quick():
     assert len(calls) == 2  # one warm-up, one timed call
 
 
+def test_time_rounds_interleaves_the_calls_round_by_round():
+    """Each round times every call once, in the given order; `round_ratios` pairs the rounds."""
+    order = []
+
+    def named(name):
+        def fn(x):
+            order.append(name)
+            return x
+        return fn
+
+    class Counting(core.Context):  # a call's "time": how many calls have run by its end
+        def time(self, fn, *args, **knobs):
+            fn(*args)
+            return float(len(order))
+
+    times = Counting().time_rounds({"a": (named("a"), jnp.ones(2)), "b": (named("b"), jnp.ones(2))},
+                            rounds=3)
+    assert order == ["a", "b"] * 3
+    assert times == {"a": [1.0, 3.0, 5.0], "b": [2.0, 4.0, 6.0]}
+    assert core.round_ratios(times["a"], times["b"]) == [0.5, 0.75, round(5 / 6, 4)]
+    assert len(Counting(quick=True).time_rounds({"a": (named("a"), jnp.ones(2))})["a"]) == 1
+
+
 def test_sparse_mask_hits_the_target_density():
     from attn.block_sparse import effective_block_mask
     from experiments.bench.sparse import sparse_mask
@@ -337,6 +360,8 @@ def test_prefill_quick_runs_every_group_on_cpu(tmp_path):
     assert by["gdn_chunk_prefill"][0]["rel_err_o_vs_xla"] < 2e-2
     assert by["causal_conv1d"][0]["rel_err_y_vs_xla"] < 2e-2
     assert by["softcap_prefill"][0]["rel_err_vs_xla"] < 2e-2
+    causal, window = by["flash_prefill_fwd_bwd"]  # our no-sink time only beside the window's
+    assert "ours_no_sink_ms" not in causal and window["ours_no_sink_ms"] > 0
 
 
 @pytest.mark.slow

@@ -260,6 +260,21 @@ class Context:
             return time_ms(fn, *args, iters=1, trials=1, warmup=1, **kept)
         return time_ms(fn, *args, **({"budget_s": self.budget_s} | knobs))
 
+    def time_rounds(self, calls: dict[str, tuple], rounds: int = 3) -> dict[str, list[float]]:
+        """Each `name: (fn, *args)` of `calls` timed by `time` once a round, in turn, for
+        `rounds` rounds (one when `quick`): `{name: [ms of each round]}`.
+
+        For goals that compare figures near parity: the same call on an H100 drifts by a few
+        percent from one second to the next, so two figures timed one after the other can differ
+        by that much for no reason of their own. Interleaved, each figure is timed in every
+        phase of the drift; rows take each one's median over the rounds and keep the rounds'
+        ratios (`round_ratios`) to show the spread."""
+        times = {name: [] for name in calls}
+        for _ in range(1 if self.quick else rounds):
+            for name, (fn, *args) in calls.items():
+                times[name].append(self.time(fn, *args))
+        return times
+
     def time_ours(self, triton_fn: Callable, mosaic_fn: Callable, *args) -> dict:
         """Our kernel as `implementation="auto"` picks it: `mosaic_fn(*args)` where it runs (a
         Hopper GPU and options it takes), else `triton_fn(*args)`; the Triton one is timed
@@ -275,6 +290,11 @@ class Context:
             return got | dict(mosaic_note=first_line(e, 1000))
         return got | dict(ms=self.time(mosaic_fn, *args), out=out, impl="mosaic",
                           rel_err_triton_vs_mosaic=rel_err(triton_out, out))
+
+
+def round_ratios(num: list[float], den: list[float]) -> list[float]:
+    """`num[i] / den[i]` of each round of `Context.time_rounds`, rounded for a row."""
+    return [round(a / b, 4) for a, b in zip(num, den, strict=True)]
 
 
 # The markdown table's columns (the JSON has every field); OPTIONAL ones only when a row has one.

@@ -16,9 +16,12 @@ forward + backward (`flash_prefill_fwd_bwd`). Shapes B1, N32 / K8, H128, bf16.
   `window_seqs` (the longer one shows whether the sink tiles, the longest backward programs, start
   first), through `attention(implementation="auto")`, against cuDNN's and tokamax's
   (`tokamax_ms`, the implementation its default picks; window without sinks for both); FLOPs 3.5x
-  the forward's (FA's count); the backward alone (`bwd_ms`, `bwd_tflops`, and the anchor's) is
-  fwd+bwd minus the forward. Goal `speedup_vs_anchor >= 1.0`. `long_seqs` (S128K): the step runs
-  on one GPU.
+  the forward's (FA's count; the anchor's on its own pairs, without sinks); the backward alone
+  (`bwd_ms`, `bwd_tflops`, and the anchor's) is fwd+bwd minus the forward. With a window, our
+  no-sink time too (`ours_no_sink_ms`, the anchors' exact function). Goal `speedup_vs_anchor >=
+  1.0`, a parity: ours and cuDNN's are timed interleaved over rounds (`Context.time_rounds`;
+  medians, each round's speed-up in `round_speedups`). `long_seqs` (S128K): the step runs on one
+  GPU.
 - `softcap_prefill`: causal with logit soft-capping (`softcap`, Gemma 2's 50) at `seqs`, through
   `attention(implementation="auto")` (the Triton kernel: Mosaic GPU has no soft-capping); the
   anchor is the same call without `softcap`, so the row is the cost of the cap. Goal
@@ -33,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import statistics
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -341,26 +345,41 @@ def backward_rows(a: BackwardArgs, ctx: core.Context):
         forward = jax.jit(lambda q, k, v, opts=opts: attention(q, k, v, **opts)[0])
         ours = grad_fn(lambda q, k, v, opts=opts: attention(q, k, v, **opts)[0])
         grads = ours(q, k, v, d_out)
-        ms = ctx.time(ours, q, k, v, d_out)
-        fwd_ms = ctx.time(forward, q, k, v)
+        calls = {"ours": (ours, q, k, v, d_out), "ours_fwd": (forward, q, k, v)}
+        if w is not None:  # the anchors' exact function (no sink), like for like
+            no_sink = grad_fn(lambda q, k, v, w=w: attention(q, k, v, window=w)[0])
+            calls["ours_no_sink"] = (no_sink, q, k, v, d_out)
         cudnn_opts = dict(is_causal=True)
         if w is not None:
             cudnn_opts["local_window_size"] = (w - 1, 0)
-        anchor_ms, anchor_fwd_ms, extra = None, None, {}
+        extra = {}
         for gqa in (True, False) if core.on_gpu() else ():
             try:
-                anchor = grad_fn(cudnn(gqa, **cudnn_opts))
+                anchor, anchor_fwd = grad_fn(cudnn(gqa, **cudnn_opts)), cudnn(gqa, **cudnn_opts)
                 ref = anchor(q, k, v, d_out)
-                anchor_ms = ctx.time(anchor, q, k, v, d_out)
-                anchor_fwd_ms = ctx.time(cudnn(gqa, **cudnn_opts), q, k, v)
+                jax.block_until_ready(anchor_fwd(q, k, v))
             except Exception as e:  # an anchor that cannot run is reported, not fatal
                 log.warning("cuDNN backward (gqa=%s): %s", gqa, core.first_line(e))
                 continue
+            calls |= {"anchor": (anchor, q, k, v, d_out), "anchor_fwd": (anchor_fwd, q, k, v)}
             extra = {f"rel_err_d{x}_vs_anchor": round(core.rel_err(g, r), 5)
                      for x, g, r in zip("qkv", grads, ref, strict=True)}
             if not gqa:
                 extra["anchor_note"] = "K/V repeated to N heads"
             break
+        # The goal is parity with cuDNN: ours and cuDNN's interleaved (`Context.time_rounds`).
+        times = ctx.time_rounds(calls)
+        ms, fwd_ms = statistics.median(times["ours"]), statistics.median(times["ours_fwd"])
+        anchor_ms = anchor_fwd_ms = None
+        if "anchor" in times:
+            anchor_ms = statistics.median(times["anchor"])
+            anchor_fwd_ms = statistics.median(times["anchor_fwd"])
+            extra["round_speedups"] = core.round_ratios(times["anchor"], times["ours"])
+        if "ours_no_sink" in times:
+            no_sink_ms = statistics.median(times["ours_no_sink"])
+            extra["ours_no_sink_ms"] = round(no_sink_ms, 4)
+            if anchor_ms is not None:
+                extra["speedup_no_sink_vs_anchor"] = round(anchor_ms / no_sink_ms, 4)
         tk_ms, tk_grads, tk_impl, tk_note = _time_tokamax(ctx, q, k, v, d_out, wrap=grad_fn,
                                                           **cudnn_opts)
         extra |= {"tokamax_ms": None if tk_ms is None else round(tk_ms, 4),
@@ -378,10 +397,11 @@ def backward_rows(a: BackwardArgs, ctx: core.Context):
         flops = 4 * pairs * h  # the forward's; the backward counts 2.5x it (the FA convention)
         extra |= dict(bwd_ms=round(ms - fwd_ms, 4),
                       bwd_tflops=round(2.5 * flops / (ms - fwd_ms) / 1e9, 1))
-        if anchor_fwd_ms is not None:
+        if anchor_fwd_ms is not None:  # cuDNN's own pairs: its window has no sinks
+            anchor_flops = flops if w is None else 4 * b * n * window_pairs(s, w, 0) * h
             extra |= dict(anchor_bwd_ms=round(anchor_ms - anchor_fwd_ms, 4),
                           anchor_bwd_tflops=round(
-                              2.5 * flops / (anchor_ms - anchor_fwd_ms) / 1e9, 1))
+                              2.5 * anchor_flops / (anchor_ms - anchor_fwd_ms) / 1e9, 1))
         long = s in a.long_seqs and w is None
         yield core.row(
             kernel="flash_prefill_fwd_bwd",

@@ -29,7 +29,9 @@ causal self-attention unless said.
   (PERF.md): `ms <= goal_ms = 1.2 * density * dense_ms`. Information: the same op on
   `banded_like(mask)`, as many blocks in every row, the nearest ones (`banded_ms`,
   `banded_ratio_vs_density_x_dense`): what the random mask's scattered blocks cost, whose query
-  tiles the backward's programs then share in L2 less often.
+  tiles the backward's programs then share in L2 less often. Ours, the dense, the banded and
+  cuDNN's are timed interleaved over rounds (`Context.time_rounds`: medians; each round's ratio
+  to the dense in `round_ratios_vs_dense`).
   Correctness: at the first S, the gradients with every head in mode 0 (full causal, through the
   same kernels) against the dense ones (`rel_err_full_vs_dense_d{q,k,v}`).
 - `paged_prefill`: a chunk of `chunk` (2K) queries over a cached prefix of `prefixes` (8K, 32K)
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 from typing import ClassVar
 
 import jax
@@ -266,41 +269,50 @@ def sparse_bwd_rows(a: BlockSparseBwdArgs, ctx: core.Context):
         d_out = jax.random.normal(jax.random.key(s + 8), q.shape, q.dtype)
         dense = grad_fn(lambda q, k, v: attention(q, k, v, causal=True)[0])
         dense_grads = dense(q, k, v, d_out) if i == 0 else None
-        dense_ms = ctx.time(dense, q, k, v, d_out)
         mask = sparse_mask(int(a.density * 1000) + s, n, s, bs, a.density)
         modes = jnp.ones((1, n), jnp.int32)
         density, pairs = visited(modes, mask, s, bs)
+        banded = banded_like(mask)
 
         triton_ms = ctx.time(_sparse_fn(modes, mask, bs, "triton", grad=True), q, k, v, d_out)
-        impl, ms, extra = "triton", triton_ms, {"triton_ms": round(triton_ms, 4)}
+        impl, extra = "mosaic", {"triton_ms": round(triton_ms, 4)}
         try:
-            ms = ctx.time(_sparse_fn(modes, mask, bs, "mosaic", grad=True), q, k, v, d_out)
-            impl = "mosaic"
+            jax.block_until_ready(_sparse_fn(modes, mask, bs, impl, grad=True)(q, k, v, d_out))
         except NotImplementedError as e:  # Mosaic refuses: the Triton forward is ours
-            extra["mosaic_note"] = core.first_line(e, 300)
+            impl, extra["mosaic_note"] = "triton", core.first_line(e, 300)
         extra["fwd_ms"] = round(ctx.time(_sparse_fn(modes, mask, bs, impl), q, k, v), 4)
-        banded = banded_like(mask)
-        banded_ms = ctx.time(_sparse_fn(modes, banded, bs, impl, grad=True), q, k, v, d_out)
-        extra |= {"banded_ms": round(banded_ms, 4), "banded_ratio_vs_density_x_dense": round(
-            banded_ms / (visited(modes, banded, s, bs)[0] * dense_ms), 4)}
+        calls = {"ours": (_sparse_fn(modes, mask, bs, impl, grad=True), q, k, v, d_out),
+                 "dense": (dense, q, k, v, d_out),
+                 "banded": (_sparse_fn(modes, banded, bs, impl, grad=True), q, k, v, d_out)}
+        if core.on_gpu():
+            for gqa in (True, False):
+                try:
+                    anchor = grad_fn(cudnn(gqa, is_causal=True))
+                    jax.block_until_ready(anchor(q, k, v, d_out))
+                except Exception as e:  # an anchor that cannot run is reported, not fatal
+                    log.warning("cuDNN fwd+bwd (gqa=%s): %s", gqa, core.first_line(e))
+                    continue
+                calls["cudnn"] = (anchor, q, k, v, d_out)
+                break
+        else:
+            extra["cudnn_note"] = "skipped: no GPU"
+        # The goal is a ratio to our dense time: the two interleaved (`Context.time_rounds`).
+        times = ctx.time_rounds(calls)
+        ms, dense_ms = statistics.median(times["ours"]), statistics.median(times["dense"])
+        banded_ms = statistics.median(times["banded"])
+        extra |= {"round_ratios_vs_dense": core.round_ratios(times["ours"], times["dense"]),
+                  "banded_ms": round(banded_ms, 4), "banded_ratio_vs_density_x_dense": round(
+                      banded_ms / (visited(modes, banded, s, bs)[0] * dense_ms), 4)}
+        if "cudnn" in times:
+            cudnn_ms = statistics.median(times["cudnn"])
+            extra |= {"cudnn_ms": round(cudnn_ms, 4),
+                      "ratio_vs_cudnn_x_density": round(ms / (density * cudnn_ms), 4)}
         if dense_grads is not None:  # every head full: the dense gradients
             full = _sparse_fn(jnp.zeros((1, n), jnp.int32), None, bs, impl, grad=True)(
                 q, k, v, d_out)
             extra |= {f"rel_err_full_vs_dense_d{x}": round(core.rel_err(g, r), 5)
                       for x, g, r in zip("qkv", full, dense_grads, strict=True)}
             del full, dense_grads
-        if core.on_gpu():
-            for gqa in (True, False):
-                try:
-                    cudnn_ms = ctx.time(grad_fn(cudnn(gqa, is_causal=True)), q, k, v, d_out)
-                except Exception as e:  # an anchor that cannot run is reported, not fatal
-                    log.warning("cuDNN fwd+bwd (gqa=%s): %s", gqa, core.first_line(e))
-                    continue
-                extra |= {"cudnn_ms": round(cudnn_ms, 4),
-                          "ratio_vs_cudnn_x_density": round(ms / (density * cudnn_ms), 4)}
-                break
-        else:
-            extra["cudnn_note"] = "skipped: no GPU"
         yield core.row(
             kernel="block_sparse_fwd_bwd",
             case=f"B1-S{core.kilo(s)}-N{n}-K{kh}-H{h}-bs{bs}-density{density:.2f}-bf16",
