@@ -131,6 +131,8 @@ def test_time_rounds_interleaves_the_calls_round_by_round():
     assert order == ["a", "b"] * 3
     assert times == {"a": [1.0, 3.0, 5.0], "b": [2.0, 4.0, 6.0]}
     assert core.round_ratios(times["a"], times["b"]) == [0.5, 0.75, round(5 / 6, 4)]
+    assert core.median_round(times["a"], times["b"]) == 1
+    assert core.median_round([3.0, 1.0, 2.0, 4.0], [1.0] * 4) == 2  # even: the lower middle
     assert len(Counting(quick=True).time_rounds({"a": (named("a"), jnp.ones(2))})["a"]) == 1
 
 

@@ -260,15 +260,16 @@ class Context:
             return time_ms(fn, *args, iters=1, trials=1, warmup=1, **kept)
         return time_ms(fn, *args, **({"budget_s": self.budget_s} | knobs))
 
-    def time_rounds(self, calls: dict[str, tuple], rounds: int = 3) -> dict[str, list[float]]:
+    def time_rounds(self, calls: dict[str, tuple], rounds: int = 5) -> dict[str, list[float]]:
         """Each `name: (fn, *args)` of `calls` timed by `time` once a round, in turn, for
         `rounds` rounds (one when `quick`): `{name: [ms of each round]}`.
 
         For goals that compare figures near parity: the same call on an H100 drifts by a few
         percent from one second to the next, so two figures timed one after the other can differ
-        by that much for no reason of their own. Interleaved, each figure is timed in every
-        phase of the drift; rows take each one's median over the rounds and keep the rounds'
-        ratios (`round_ratios`) to show the spread."""
+        by that much for no reason of their own. Interleaved, each round times the figures
+        under about the same conditions: rows report the round whose ratio is the median
+        (`median_round`), so that a row's figures and its ratio come from one round, and keep
+        every round's ratio (`round_ratios`) to show the spread."""
         times = {name: [] for name in calls}
         for _ in range(1 if self.quick else rounds):
             for name, (fn, *args) in calls.items():
@@ -295,6 +296,13 @@ class Context:
 def round_ratios(num: list[float], den: list[float]) -> list[float]:
     """`num[i] / den[i]` of each round of `Context.time_rounds`, rounded for a row."""
     return [round(a / b, 4) for a, b in zip(num, den, strict=True)]
+
+
+def median_round(num: list[float], den: list[float]) -> int:
+    """The round of `Context.time_rounds` whose `num[i] / den[i]` is the median (of an even
+    count, the lower middle one)."""
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    return sorted(range(len(ratios)), key=ratios.__getitem__)[(len(ratios) - 1) // 2]
 
 
 # The markdown table's columns (the JSON has every field); OPTIONAL ones only when a row has one.

@@ -19,9 +19,9 @@ forward + backward (`flash_prefill_fwd_bwd`). Shapes B1, N32 / K8, H128, bf16.
   the forward's (FA's count; the anchor's on its own pairs, without sinks); the backward alone
   (`bwd_ms`, `bwd_tflops`, and the anchor's) is fwd+bwd minus the forward. With a window, our
   no-sink time too (`ours_no_sink_ms`, the anchors' exact function). Goal `speedup_vs_anchor >=
-  1.0`, a parity: ours and cuDNN's are timed interleaved over rounds (`Context.time_rounds`;
-  medians, each round's speed-up in `round_speedups`). `long_seqs` (S128K): the step runs on one
-  GPU.
+  1.0`, a parity: ours and cuDNN's are timed interleaved over rounds (`Context.time_rounds`);
+  the row is the round with the median speed-up, every round's in `round_speedups`.
+  `long_seqs` (S128K): the step runs on one GPU.
 - `softcap_prefill`: causal with logit soft-capping (`softcap`, Gemma 2's 50) at `seqs`, through
   `attention(implementation="auto")` (the Triton kernel: Mosaic GPU has no soft-capping); the
   anchor is the same call without `softcap`, so the row is the cost of the cap. Goal
@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import statistics
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -369,14 +368,14 @@ def backward_rows(a: BackwardArgs, ctx: core.Context):
             break
         # The goal is parity with cuDNN: ours and cuDNN's interleaved (`Context.time_rounds`).
         times = ctx.time_rounds(calls)
-        ms, fwd_ms = statistics.median(times["ours"]), statistics.median(times["ours_fwd"])
+        i = core.median_round(times.get("anchor", times["ours"]), times["ours"])
+        ms, fwd_ms = times["ours"][i], times["ours_fwd"][i]
         anchor_ms = anchor_fwd_ms = None
         if "anchor" in times:
-            anchor_ms = statistics.median(times["anchor"])
-            anchor_fwd_ms = statistics.median(times["anchor_fwd"])
+            anchor_ms, anchor_fwd_ms = times["anchor"][i], times["anchor_fwd"][i]
             extra["round_speedups"] = core.round_ratios(times["anchor"], times["ours"])
         if "ours_no_sink" in times:
-            no_sink_ms = statistics.median(times["ours_no_sink"])
+            no_sink_ms = times["ours_no_sink"][i]
             extra["ours_no_sink_ms"] = round(no_sink_ms, 4)
             if anchor_ms is not None:
                 extra["speedup_no_sink_vs_anchor"] = round(anchor_ms / no_sink_ms, 4)

@@ -30,8 +30,8 @@ causal self-attention unless said.
   `banded_like(mask)`, as many blocks in every row, the nearest ones (`banded_ms`,
   `banded_ratio_vs_density_x_dense`): what the random mask's scattered blocks cost, whose query
   tiles the backward's programs then share in L2 less often. Ours, the dense, the banded and
-  cuDNN's are timed interleaved over rounds (`Context.time_rounds`: medians; each round's
-  `ms / (density * dense_ms)` in `round_ratios_vs_density_x_dense`).
+  cuDNN's are timed interleaved over rounds (`Context.time_rounds`); the row is the round with
+  the median `ms / (density * dense_ms)`, every round's in `round_ratios_vs_density_x_dense`.
   Correctness: at the first S, the gradients with every head in mode 0 (full causal, through the
   same kernels) against the dense ones (`rel_err_full_vs_dense_d{q,k,v}`).
 - `paged_prefill`: a chunk of `chunk` (2K) queries over a cached prefix of `prefixes` (8K, 32K)
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 from typing import ClassVar
 
 import jax
@@ -298,14 +297,14 @@ def sparse_bwd_rows(a: BlockSparseBwdArgs, ctx: core.Context):
             extra["cudnn_note"] = "skipped: no GPU"
         # The goal is a ratio to our dense time: the two interleaved (`Context.time_rounds`).
         times = ctx.time_rounds(calls)
-        ms, dense_ms = statistics.median(times["ours"]), statistics.median(times["dense"])
-        banded_ms = statistics.median(times["banded"])
+        i = core.median_round(times["ours"], times["dense"])
+        ms, dense_ms, banded_ms = times["ours"][i], times["dense"][i], times["banded"][i]
         extra |= {"round_ratios_vs_density_x_dense": core.round_ratios(
                       times["ours"], [density * t for t in times["dense"]]),
                   "banded_ms": round(banded_ms, 4), "banded_ratio_vs_density_x_dense": round(
                       banded_ms / (visited(modes, banded, s, bs)[0] * dense_ms), 4)}
         if "cudnn" in times:
-            cudnn_ms = statistics.median(times["cudnn"])
+            cudnn_ms = times["cudnn"][i]
             extra |= {"cudnn_ms": round(cudnn_ms, 4),
                       "ratio_vs_cudnn_x_density": round(ms / (density * cudnn_ms), 4)}
         if dense_grads is not None:  # every head full: the dense gradients
