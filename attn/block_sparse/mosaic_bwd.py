@@ -20,16 +20,17 @@ heads' only, and they share them in L2; launched with the KV heads interleaved, 
 1.42x as long (S32K), and each list ordered by query tile rather than by sibling head 1.05x.
 
 Speed (H100, B1 N32 / K8 H128 bf16, density 0.1, forward + backward with the Mosaic forward,
-benchmarks/sparse_prefill.json): S32K 7.31 ms, S64K 26.5 ms, 1.32x / 1.19x density x our dense
-forward + backward (the dense time moves by up to 8% from H100 to H100). With the same number of
-blocks in every row as a band of neighbouring blocks, 1.21x / 1.08x: the rest is what the
-random mask's scattering costs, most likely in L2. A KV head's programs then walk query tiles
-of its sibling heads all over the sequence, whose Q, dO and float32 dQ (4 KB a query for the
-four siblings, 128 MB at S32K) cannot all stay in the 50 MB L2. The same forward with the
-Triton backward takes 1.10x / 1.13x as long. Of the S32K backward, ~0.7 ms does not shrink with
-the density: the row statistics with the zeroed float32 dQ (one pass over O and dO, 0.43 ms) and
-dQ's cast (0.28 ms), both O(S); dense, that is 1-2% of the time. A third query-tile slot
-(`stages=3`) is 10% slower; cutting at half the fair share, 2% slower.
+benchmarks/sparse_prefill.json, the median of five rounds interleaved with the dense): S32K
+7.36 ms, S64K 27.7 ms, 1.30x / 1.21x density x our dense forward + backward (rounds 1.23-1.37 /
+1.16-1.27). With the same number of blocks in every row as a band of neighbouring blocks,
+1.21x / 1.12x: the rest is what the random mask's scattering costs, most likely in L2. A KV
+head's programs then walk query tiles of its sibling heads all over the sequence, whose Q, dO
+and float32 dQ (4 KB a query for the four siblings, 128 MB at S32K) cannot all stay in the
+50 MB L2. The same forward with the Triton backward takes 1.25x / 1.20x as long. Of the S32K
+backward, ~0.7 ms does not shrink with the density: the row statistics with the zeroed float32
+dQ (one pass over O and dO, 0.43 ms) and dQ's cast (0.28 ms), both O(S); dense, that is 1-2% of
+the time. A third query-tile slot (`stages=3`) is 10% slower; cutting at half the fair share,
+2% slower.
 
 Supports what the Mosaic forward supports (`attn/block_sparse/mosaic.py`: `T == S`, full lengths,
 blocks of 128, bf16 / f16) at `H == 128` (the dense fused kernel's head dim); `supports` says why

@@ -66,25 +66,25 @@ reduction, so each program stores its partial dQ tiles into its own slice of a
 `[key tiles, B, T, N, H]` buffer that is summed afterwards (small shapes only).
 
 Speed (H100, N32 / K8 H128 bf16, forward + backward with the Mosaic forward,
-benchmarks/prefill.json): causal S8K / 16K / 32K 1.03x / 1.03x / 0.99x cuDNN's (backward 461 / 528
-/ 532 TFLOP/s against cuDNN's 451 / 516 / 542); window 2048 + 64 sinks at S8K / S32K 0.99x / 1.01x
-cuDNN's window without sinks; S128K 1.02x (no S x S buffer; backward 537 TFLOP/s against 528).
-From H100 to H100 these ratios move by up to 5% (S8K causal 1.03x-1.08x). The Triton backward
-takes 1.1-1.2x as long at causal S8K-32K. Registers are the limit: at 255 per thread ptxas spills
-96 bytes causal, 240 with a window and sinks (`MOSAIC_GPU_DUMP_PTXAS=1` shows it), most of it in
-the masked steps' mask code. Hence the accumulator starts: `lse` / `delta` as per-step row vectors
-take 32 registers a thread and make the forward + backward 2-6% slower (spills 156 / 292 bytes);
-the dQ accumulator scoped to the whole step is 0.4-3% slower, dK issued before dQ about 0.5% (1%
-with a window). Launch order matters from S16K on: Q / dO / dQ tiles are reused in
-L2 only while the programs walking them stay close, which key tile fastest keeps (S16K 1%, S32K
-3-4% faster than KV head fastest, causal; at S128K KV head fastest varies 0.94-1.32 s from call to
-call), while at S8K KV head fastest is 3% faster; with sinks, KV head fastest always
-(`key_tiles_fastest`). A third shared-memory slot for the query tiles
-(`stages=3`) is slower. With a window and sinks, a key tile holding sinks is walked by every query
-tile (`G T / block_q` steps, against `G (window + 2 block_kv) / block_q` for the others). Cut into
-one program per query head, with dK / dV partial sums added afterwards, it ran 5% slower at S8K,
-and the causal cases, which never cut, 1-2% slower for the extra index arithmetic: the tile stays
-one program.
+benchmarks/prefill.json, the median of five rounds interleaved with cuDNN): causal S8K / 16K / 32K
+1.05x / 1.03x / 0.99x cuDNN's (backward 469 / 522 / 484 TFLOP/s against cuDNN's 446 / 494 / 497);
+window 2048 + 64 sinks at S8K / S32K 1.02x / 1.02x cuDNN's window without sinks (ours without sinks
+1.07x / 1.06x); S128K 1.03x (no S x S buffer; backward 520 TFLOP/s against 518). Round to round the
+ratios move by up to 10% (causal S32K 0.97x-1.14x): at S32K the two are at parity. The Triton
+backward takes 1.1-1.2x as long at causal S8K-32K. Registers are the limit: at 255 per thread ptxas
+spills 96 bytes causal, 240 with a window and sinks (`MOSAIC_GPU_DUMP_PTXAS=1` shows it), most of it
+in the masked steps' mask code. Hence the accumulator starts: `lse` / `delta` as per-step row
+vectors take 32 registers a thread and make the forward + backward 2-6% slower (spills 156 / 292
+bytes); the dQ accumulator scoped to the whole step is 0.4-3% slower, dK issued before dQ about 0.5%
+(1% with a window). Launch order matters from S16K on: Q / dO / dQ tiles are reused in L2 only while
+the programs walking them stay close, which key tile fastest keeps (S16K 1%, S32K 3-4% faster than
+KV head fastest, causal; at S128K KV head fastest varies 0.94-1.32 s from call to call), while at
+S8K KV head fastest is 3% faster; with sinks, KV head fastest always (`key_tiles_fastest`). A third
+shared-memory slot for the query tiles (`stages=3`) is slower. With a window and sinks, a key tile
+holding sinks is walked by every query tile (`G T / block_q` steps, against `G (window + 2 block_kv)
+/ block_q` for the others). Cut into one program per query head, with dK / dV partial sums added
+afterwards, it ran 5% slower at S8K, and the causal cases, which never cut, 1-2% slower for the
+extra index arithmetic: the tile stays one program.
 """
 
 from __future__ import annotations
