@@ -383,3 +383,18 @@ def test_decode_quick_runs_every_group_on_cpu(tmp_path):
                                                         g4["paged_decode_fp8"]]
     assert by["gdn_decode"][0]["rel_err_o_vs_xla"] < 2e-2
     assert all(r["recompiles"] == 0 for r in by["engine_decode"] + by["engine_decode_fp8"])
+
+
+@pytest.mark.slow
+def test_block_sparse_fwd_bwd_quick_row_comes_from_one_round(tmp_path):
+    """`python -m experiments.bench sparse_prefill --rows block_sparse_fwd_bwd --quick`: the row's
+    figures and its ratio are one round's; every head full gives the dense gradients."""
+    (r,) = cli.main(["sparse_prefill", "--rows", "block_sparse_fwd_bwd", "--quick", "--out",
+                     str(tmp_path)])
+    assert r["kernel"] == "block_sparse_fwd_bwd" and r["impl"] == "triton"  # no GPU: no Mosaic
+    ratio = r["ms"] / (r["density"] * r["anchor_ms"])
+    assert r["ratio_vs_density_x_dense"] == pytest.approx(ratio, rel=1e-3)
+    assert r["round_ratios_vs_density_x_dense"] == [pytest.approx(ratio, rel=1e-3)]
+    assert r["meets_goal"] == (r["ms"] <= r["goal_ms"]) and r["banded_ms"] > 0
+    assert max(r[f"rel_err_full_vs_dense_d{x}"] for x in "qkv") < 2e-2
+    assert r["cudnn_note"] == "skipped: no GPU"
