@@ -126,8 +126,8 @@ def test_time_rounds_interleaves_the_calls_round_by_round():
             fn(*args)
             return float(len(order))
 
-    times = Counting().time_rounds({"a": (named("a"), jnp.ones(2)), "b": (named("b"), jnp.ones(2))},
-                            rounds=3)
+    calls = {"a": (named("a"), jnp.ones(2)), "b": (named("b"), jnp.ones(2))}
+    times = Counting().time_rounds(calls, rounds=3)
     assert order == ["a", "b"] * 3
     assert times == {"a": [1.0, 3.0, 5.0], "b": [2.0, 4.0, 6.0]}
     assert core.round_ratios(times["a"], times["b"]) == [0.5, 0.75, round(5 / 6, 4)]

@@ -273,14 +273,17 @@ def sparse_bwd_rows(a: BlockSparseBwdArgs, ctx: core.Context):
         density, pairs = visited(modes, mask, s, bs)
         banded = banded_like(mask)
 
-        triton_ms = ctx.time(_sparse_fn(modes, mask, bs, "triton", grad=True), q, k, v, d_out)
-        impl, extra = "mosaic", {"triton_ms": round(triton_ms, 4)}
+        ours = _sparse_fn(modes, mask, bs, "triton", grad=True)
+        triton_ms = ctx.time(ours, q, k, v, d_out)
+        impl, extra = "triton", {"triton_ms": round(triton_ms, 4)}
         try:
-            jax.block_until_ready(_sparse_fn(modes, mask, bs, impl, grad=True)(q, k, v, d_out))
+            mosaic = _sparse_fn(modes, mask, bs, "mosaic", grad=True)
+            jax.block_until_ready(mosaic(q, k, v, d_out))
+            impl, ours = "mosaic", mosaic
         except NotImplementedError as e:  # Mosaic refuses: the Triton forward is ours
-            impl, extra["mosaic_note"] = "triton", core.first_line(e, 300)
+            extra["mosaic_note"] = core.first_line(e, 300)
         extra["fwd_ms"] = round(ctx.time(_sparse_fn(modes, mask, bs, impl), q, k, v), 4)
-        calls = {"ours": (_sparse_fn(modes, mask, bs, impl, grad=True), q, k, v, d_out),
+        calls = {"ours": (ours, q, k, v, d_out),
                  "dense": (dense, q, k, v, d_out),
                  "banded": (_sparse_fn(modes, banded, bs, impl, grad=True), q, k, v, d_out)}
         if core.on_gpu():
