@@ -10,6 +10,7 @@ import json
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -134,6 +135,34 @@ def test_time_rounds_interleaves_the_calls_round_by_round():
     assert core.median_round(times["a"], times["b"]) == 1
     assert core.median_round([3.0, 1.0, 2.0, 4.0], [1.0] * 4) == 2  # even: the lower middle
     assert len(Counting(quick=True).time_rounds({"a": (named("a"), jnp.ones(2))})["a"]) == 1
+
+
+def test_kernels_of_trace_reads_the_gpu_streams_call_by_call():
+    """Kernels on the GPU's stream threads only (not its other threads, not the host's), in
+    launch order, each the median over the calls; None when the calls do not split evenly."""
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7,
+             "args": {"name": "Stream #14(Compute)"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream"}}]
+
+    def event(pid, tid, name, ts, dur):
+        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+
+    runs = [(0, [("fwd", 100), ("stats", 10), ("bwd", 300)]),
+            (1000, [("fwd", 140), ("stats", 30), ("bwd", 200)]),
+            (2000, [("fwd", 120), ("stats", 20), ("bwd", 250)])]
+    kernels = [event(1, 7, name, start + 400 * i, dur)
+               for start, run in runs for i, (name, dur) in enumerate(run)]
+    noise = [event(1, 8, "fusion", 5, 999), event(2, 7, "host", 6, 999)]
+    trace = {"traceEvents": meta + noise + kernels[::-1]}
+    assert core.kernels_of_trace(trace, calls=3) == [("fwd", 0.12), ("stats", 0.02),
+                                                     ("bwd", 0.25)]
+    assert core.kernels_of_trace(trace, calls=2) is None
+    assert core.kernels_of_trace({"traceEvents": meta + noise}, calls=1) is None
+    if not core.on_gpu():  # a real trace on the CPU: no GPU kernels
+        assert core.kernel_ms(jax.jit(lambda x: x + 1), jnp.ones(2), calls=1) is None
 
 
 def test_sparse_mask_hits_the_target_density():

@@ -82,6 +82,52 @@ def time_ms(fn: Callable, *args, iters: int = 10, trials: int = 5, warmup: int =
     return statistics.median(times)
 
 
+def kernel_ms(fn: Callable, *args, calls: int = 3) -> list[tuple[str, float]] | None:
+    """The GPU kernels one call of the jitted `fn(*args)` launches, in launch order, each with its
+    median time over `calls` back-to-back calls (ms), from a `jax.profiler` trace: `[(name,
+    ms)]`, or None where the trace holds no GPU kernels (the CPU). For a figure's breakdown
+    (which kernel of a fused op takes the time), not for the figure itself: `time_ms` times
+    calls as a whole, gaps between kernels included."""
+    import gzip
+    import tempfile
+
+    jax.block_until_ready(fn(*args))  # compiled before the trace
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        paths = sorted(Path(trace_dir).rglob("*.trace.json.gz"))
+        if not paths:
+            return None
+        with gzip.open(paths[-1]) as f:
+            trace = json.load(f)
+    return kernels_of_trace(trace, calls)
+
+
+def kernels_of_trace(trace, calls: int) -> list[tuple[str, float]] | None:
+    """`kernel_ms` from a parsed Chrome trace (`{"traceEvents": [...]}`) of `calls` calls: the
+    complete events on the GPU's stream threads, split into `calls` runs of equal length."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+            names[(e["name"], e["pid"], e.get("tid") if e["name"] == "thread_name" else None)] = (
+                e["args"]["name"])
+    kernels = sorted(
+        (e for e in events
+         if e.get("ph") == "X" and "dur" in e
+         and "GPU" in names.get(("process_name", e["pid"], None), "")
+         and "Stream" in names.get(("thread_name", e["pid"], e.get("tid")), "")),
+        key=lambda e: e["ts"])
+    if not kernels or len(kernels) % calls:
+        return None
+    per_call = len(kernels) // calls
+    return [(kernels[i]["name"],
+             statistics.median(kernels[c * per_call + i]["dur"] for c in range(calls)) / 1e3)
+            for i in range(per_call)]
+
+
 def rel_err(a, b) -> float:
     """`||a - b|| / ||b||` in float32: the correctness figure every benchmark row carries."""
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)

@@ -29,8 +29,12 @@ causal self-attention unless said.
   (PERF.md): `ms <= goal_ms = 1.2 * density * dense_ms`. Information: the same op on
   `banded_like(mask)`, as many blocks in every row, the nearest ones (`banded_ms`,
   `banded_ratio_vs_density_x_dense`): what the random mask's scattered blocks cost, whose query
-  tiles the backward's programs then share in L2 less often. Ours, the dense, the banded and
-  cuDNN's are timed interleaved over rounds (`Context.time_rounds`); the row is the round with
+  tiles the backward's programs then share in L2 less often. On the GPU, `kernel_ms` splits one
+  call of ours, the dense and the banded into the forward kernel, the backward kernel and the
+  other kernels (`fwd_bwd_kernel_ms`, from a profiler trace), and
+  `{fwd,bwd,banded_bwd}_kernel_ratio_vs_density_x_dense` compare the kernels alone. Ours, the
+  dense, the banded and cuDNN's are timed interleaved over rounds (`Context.time_rounds`); the
+  row is the round with
   the median `ms / (density * dense_ms)`, every round's in `round_ratios_vs_density_x_dense`.
   Correctness: at the first S, the gradients with every head in mode 0 (full causal, through the
   same kernels) against the dense ones (`rel_err_full_vs_dense_d{q,k,v}`).
@@ -250,6 +254,23 @@ def sparse_rows(a: BlockSparseArgs, ctx: core.Context):
         del q, k, v
 
 
+def fwd_bwd_kernel_ms(fn, *args, calls: int = 3) -> dict | None:
+    """`{"forward", "backward", "other"}`: ms of one fwd + bwd call's GPU kernels, the Mosaic GPU
+    forward and backward (launched in that order) and all the others together (row statistics,
+    dQ's cast, lists, schedule); None off the GPU or where the two are not Mosaic GPU kernels."""
+    try:
+        kernels = core.kernel_ms(fn, *args, calls=calls)
+    except Exception as e:  # a breakdown that cannot be traced is reported, not fatal
+        log.warning("kernel breakdown: %s", core.first_line(e))
+        return None
+    mosaic = [ms for name, ms in kernels or () if name == "entry_mosaic_gpu_kernel"]
+    if len(mosaic) != 2:
+        return None
+    other = sum(ms for _, ms in kernels) - sum(mosaic)
+    return {"forward": round(mosaic[0], 4), "backward": round(mosaic[1], 4),
+            "other": round(other, 4)}
+
+
 def _sparse_fn(modes, mask, bs: int, impl: str, *, grad: bool = False):
     """Jitted `(q, k, v) -> out` of block-sparse attention, or with `grad` `(q, k, v, dO) ->
     (dq, dk, dv)` of `sum(out * dO)`."""
@@ -310,6 +331,15 @@ def sparse_bwd_rows(a: BlockSparseBwdArgs, ctx: core.Context):
             cudnn_ms = times["cudnn"][i]
             extra |= {"cudnn_ms": round(cudnn_ms, 4),
                       "ratio_vs_cudnn_x_density": round(ms / (density * cudnn_ms), 4)}
+        if core.on_gpu() and not ctx.quick:  # which kernel the ratio's excess is in
+            split = {name: fwd_bwd_kernel_ms(*calls[name]) for name in ("ours", "dense", "banded")}
+            if all(split.values()):
+                extra["kernel_ms"] = split
+                extra |= {f"{kind}_kernel_ratio_vs_density_x_dense": round(
+                    split[name][part] / (density * split["dense"][part]), 4)
+                    for kind, name, part in (("fwd", "ours", "forward"),
+                                             ("bwd", "ours", "backward"),
+                                             ("banded_bwd", "banded", "backward"))}
         if dense_grads is not None:  # every head full: the dense gradients
             full = _sparse_fn(jnp.zeros((1, n), jnp.int32), None, bs, impl, grad=True)(
                 q, k, v, d_out)
