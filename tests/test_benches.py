@@ -165,6 +165,17 @@ def test_kernels_of_trace_reads_the_gpu_streams_call_by_call():
         assert core.kernel_ms(jax.jit(lambda x: x + 1), jnp.ones(2), calls=1) is None
 
 
+def test_kernel_breakdown_is_a_row_field_and_survives_a_failed_trace(monkeypatch):
+    monkeypatch.setattr(core, "kernel_ms", lambda fn, *a, calls: [("k" * 90, 1.23456), ("b", 2)])
+    assert core.kernel_breakdown(None, calls=3) == [["k" * 80, 1.2346], ["b", 2]]
+
+    def broken(fn, *a, calls):
+        raise RuntimeError("no trace\ndetails")
+
+    monkeypatch.setattr(core, "kernel_ms", broken)
+    assert core.kernel_breakdown(None, calls=3) is None
+
+
 def test_sparse_mask_hits_the_target_density():
     from attn.block_sparse import effective_block_mask
     from experiments.bench.sparse import sparse_mask

@@ -105,6 +105,18 @@ def kernel_ms(fn: Callable, *args, calls: int = 3) -> list[tuple[str, float]] | 
     return kernels_of_trace(trace, calls)
 
 
+def kernel_breakdown(fn: Callable, *args, calls: int = 3) -> list[list] | None:
+    """`kernel_ms` as a row field: `[[name, ms], ...]` (names cut to 80 characters), or None on
+    the CPU or where the trace cannot be read (logged: a breakdown is information, and its
+    failure must not cost the row)."""
+    try:
+        kernels = kernel_ms(fn, *args, calls=calls)
+    except Exception as e:
+        log.warning("kernel breakdown: %s", first_line(e))
+        return None
+    return None if kernels is None else [[name[:80], round(ms, 4)] for name, ms in kernels]
+
+
 def kernels_of_trace(trace, calls: int) -> list[tuple[str, float]] | None:
     """`kernel_ms` from a parsed Chrome trace (`{"traceEvents": [...]}`) of `calls` calls: the
     complete events on the GPU's stream threads, split into `calls` runs of equal length."""

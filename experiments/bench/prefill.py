@@ -20,8 +20,10 @@ forward + backward (`flash_prefill_fwd_bwd`). Shapes B1, N32 / K8, H128, bf16.
   (`bwd_ms`, `bwd_tflops`, and the anchor's) is fwd+bwd minus the forward. With a window, our
   no-sink time too (`ours_no_sink_ms`, the anchors' exact function). Goal `speedup_vs_anchor >=
   1.0`, a parity: ours and cuDNN's are timed interleaved over rounds (`Context.time_rounds`);
-  the row is the round with the median speed-up, every round's in `round_speedups`.
-  `long_seqs` (S128K): the step runs on one GPU.
+  the row is the round with the median speed-up, every round's in `round_speedups`. On the
+  GPU, `kernel_ms` lists the kernels of one call of ours and of cuDNN's, each with its time
+  (`core.kernel_breakdown`, from a profiler trace). `long_seqs` (S128K): the step runs on one
+  GPU.
 - `softcap_prefill`: causal with logit soft-capping (`softcap`, Gemma 2's 50) at `seqs`, through
   `attention(implementation="auto")` (the Triton kernel: Mosaic GPU has no soft-capping); the
   anchor is the same call without `softcap`, so the row is the cost of the cap. Goal
@@ -401,6 +403,9 @@ def backward_rows(a: BackwardArgs, ctx: core.Context):
             extra |= dict(anchor_bwd_ms=round(anchor_ms - anchor_fwd_ms, 4),
                           anchor_bwd_tflops=round(
                               2.5 * anchor_flops / (anchor_ms - anchor_fwd_ms) / 1e9, 1))
+        if core.on_gpu() and not ctx.quick:  # which kernel a gap to cuDNN is in
+            extra["kernel_ms"] = {name: core.kernel_breakdown(*calls[name])
+                                  for name in ("ours", "anchor") if name in calls}
         long = s in a.long_seqs and w is None
         yield core.row(
             kernel="flash_prefill_fwd_bwd",

@@ -258,11 +258,7 @@ def fwd_bwd_kernel_ms(fn, *args, calls: int = 3) -> dict | None:
     """`{"forward", "backward", "other"}`: ms of one fwd + bwd call's GPU kernels, the Mosaic GPU
     forward and backward (launched in that order) and all the others together (row statistics,
     dQ's cast, lists, schedule); None off the GPU or where the two are not Mosaic GPU kernels."""
-    try:
-        kernels = core.kernel_ms(fn, *args, calls=calls)
-    except Exception as e:  # a breakdown that cannot be traced is reported, not fatal
-        log.warning("kernel breakdown: %s", core.first_line(e))
-        return None
+    kernels = core.kernel_breakdown(fn, *args, calls=calls)
     mosaic = [ms for name, ms in kernels or () if name == "entry_mosaic_gpu_kernel"]
     if len(mosaic) != 2:
         return None
