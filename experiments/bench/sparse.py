@@ -34,8 +34,8 @@ causal self-attention unless said.
   other kernels (`fwd_bwd_kernel_ms`, from a profiler trace), and
   `{fwd,bwd,banded_bwd}_kernel_ratio_vs_density_x_dense` compare the kernels alone. Ours, the
   dense, the banded and cuDNN's are timed interleaved over rounds (`Context.time_rounds`); the
-  row is the round with
-  the median `ms / (density * dense_ms)`, every round's in `round_ratios_vs_density_x_dense`.
+  row is the round with the median `ms / (density * dense_ms)`, every round's in
+  `round_ratios_vs_density_x_dense`.
   Correctness: at the first S, the gradients with every head in mode 0 (full causal, through the
   same kernels) against the dense ones (`rel_err_full_vs_dense_d{q,k,v}`).
 - `paged_prefill`: a chunk of `chunk` (2K) queries over a cached prefix of `prefixes` (8K, 32K)
