@@ -132,7 +132,10 @@ def kernels_of_trace(trace, calls: int) -> list[tuple[str, float]] | None:
          and "GPU" in names.get(("process_name", e["pid"], None), "")
          and "Stream" in names.get(("thread_name", e["pid"], e.get("tid")), "")),
         key=lambda e: e["ts"])
-    if not kernels or len(kernels) % calls:
+    if not kernels:
+        return None
+    if len(kernels) % calls:  # another stream's work, or a call that launched differently
+        log.warning("trace: %d GPU kernels do not split into %d calls", len(kernels), calls)
         return None
     per_call = len(kernels) // calls
     return [(kernels[i]["name"],
