@@ -67,7 +67,7 @@ reduction, so each program stores its partial dQ tiles into its own slice of a
 
 Speed (H100, N32 / K8 H128 bf16, forward + backward with the Mosaic forward,
 benchmarks/prefill.json, the median of five rounds interleaved with cuDNN): causal S8K / 16K / 32K
-1.02x / 1.02x / 1.00x cuDNN's (backward 460 / 528 / 530 TFLOP/s against cuDNN's 467 / 526 / 536);
+1.02x / 1.02x / 0.995x cuDNN's (backward 460 / 528 / 530 TFLOP/s against cuDNN's 467 / 526 / 536);
 window 2048 + 64 sinks at S8K / S32K 1.04x / 1.03x cuDNN's window without sinks (ours without sinks
 1.10x / 1.10x); S128K 1.02x (no S x S buffer; backward 531 TFLOP/s against 527). Round to round the
 ratios move by up to 10% (causal S32K 0.98x-1.16x): at S32K the two are at parity. The Triton
@@ -84,8 +84,7 @@ program each head's query tiles go up from the diagonal. Walking them down from 
 instead (every causal program then starts on the same tiles) moves the backward kernel by -3% to 0%
 at causal S8K-64K and makes it 2% slower with a window (S32K); query tile by query tile, the group's
 heads together and the last tile first, 5% faster at S32K but 1% slower at S16K and no faster at
-S64K, and a CPU model of L2 reuse that ranks these orders as measured has it missing twice as often
-at S128K. A third shared-memory slot for the query tiles (`stages=3`) is slower. With a window and
+S64K. A third shared-memory slot for the query tiles (`stages=3`) is slower. With a window and
 sinks, a key tile holding sinks is walked by every query tile (`G T / block_q` steps, against `G
 (window + 2 block_kv) / block_q` for the others). Cut into one program per query head, with dK / dV
 partial sums added afterwards, it ran 5% slower at S8K, and the causal cases, which never cut, 1-2%
