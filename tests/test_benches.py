@@ -128,13 +128,31 @@ def test_time_rounds_interleaves_the_calls_round_by_round():
             return float(len(order))
 
     calls = {"a": (named("a"), jnp.ones(2)), "b": (named("b"), jnp.ones(2))}
-    times = Counting().time_rounds(calls, rounds=3)
+    times, clocks = Counting().time_rounds(calls, rounds=3)
     assert order == ["a", "b"] * 3
     assert times == {"a": [1.0, 3.0, 5.0], "b": [2.0, 4.0, 6.0]}
+    assert clocks == {"a": [None] * 3, "b": [None] * 3}  # no GPU: nothing sampled
+    assert core.clocks_of_round(clocks, 1, "a", "b") is None
     assert core.round_ratios(times["a"], times["b"]) == [0.5, 0.75, round(5 / 6, 4)]
     assert core.median_round(times["a"], times["b"]) == 1
     assert core.median_round([3.0, 1.0, 2.0, 4.0], [1.0] * 4) == 2  # even: the lower middle
-    assert len(Counting(quick=True).time_rounds({"a": (named("a"), jnp.ones(2))})["a"]) == 1
+    assert len(Counting(quick=True).time_rounds({"a": (named("a"), jnp.ones(2))})[0]["a"]) == 1
+
+
+def test_gpu_samples_give_median_clocks_and_the_power_capped_fraction():
+    """`nvidia-smi` lines `MHz, W, reasons`: medians, and how many samples had the power cap bit
+    (0x4) among their reasons; torn lines are skipped; a round's summaries by name."""
+    lines = ["1500, 690.5, 0x0000000000000004\n", "1600, 700.0, 0x0000000000000000\n",
+             "1550, 695.0, 0x0000000000000005\n", "1980, 80", ""]
+    assert core.summarize_gpu_samples(lines) == {"sm_mhz": 1550.0, "power_w": 695.0,
+                                                 "power_capped": 0.67}
+    assert core.summarize_gpu_samples(["[N/A], 70, 0x0"]) is None
+    with core.GpuClocks() as sampled:  # no GPU here: a no-op
+        pass
+    assert sampled.summary() is None
+    clocks = {"ours": [None, {"sm_mhz": 1.0}], "anchor": [None, {"sm_mhz": 2.0}], "x": [1, 2]}
+    assert core.clocks_of_round(clocks, 1, "ours", "anchor", "missing") == {
+        "ours": {"sm_mhz": 1.0}, "anchor": {"sm_mhz": 2.0}}
 
 
 def test_kernels_of_trace_reads_the_gpu_streams_call_by_call():

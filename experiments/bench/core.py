@@ -16,9 +16,11 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -209,7 +211,8 @@ def matmul_tflops(n: int = 8192) -> float:
 
 
 def device_info() -> dict[str, str]:
-    """Device name, jax version and the repository commit, for every JSON file.
+    """Device name, jax version and the repository commit, for every JSON file; on a GPU with
+    `nvidia-smi`, its power limit and top SM clock too (`GpuClocks`: what the rows ran at).
 
     `LONGCTX_COMMIT` overrides `git rev-parse` (a copied tree whose git metadata is older)."""
     dev = jax.devices()[0]
@@ -218,8 +221,92 @@ def device_info() -> dict[str, str]:
                                 text=True, check=False).stdout.strip() or "unknown"
     except OSError:
         commit = "unknown"
-    return {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
+    info = {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
             "commit": os.environ.get("LONGCTX_COMMIT", commit)}
+    limits = _nvidia_smi_once("power.limit,clocks.max.sm")
+    if limits is not None:
+        info |= {"power_limit_w": limits[0], "max_sm_mhz": limits[1]}
+    return info
+
+
+def _gpu_index() -> str:
+    """`nvidia-smi -i` of the device JAX runs on: the first of `CUDA_VISIBLE_DEVICES`, else 0."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return visible or "0"
+
+
+def _nvidia_smi_once(fields: str) -> list[float] | None:
+    """One `nvidia-smi --query-gpu=fields` sample as numbers; None off the GPU, without
+    `nvidia-smi`, or where a field is not a number."""
+    if not on_gpu() or shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        line = subprocess.run(["nvidia-smi", "-i", _gpu_index(), f"--query-gpu={fields}",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                              check=False, timeout=30).stdout.strip()
+        return [float(x) for x in line.split(",")]
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+SW_POWER_CAP = 0x4  # nvidia-smi's throttle reason bit: clocks lowered to hold the power limit
+
+
+def summarize_gpu_samples(lines: Iterable[str]) -> dict | None:
+    """`GpuClocks`' lines (`sm MHz, W, reasons`) as `{"sm_mhz", "power_w"}` medians and
+    `power_capped`, the fraction of samples whose clocks the power limit was holding down;
+    None without a readable sample."""
+    sm, power, capped = [], [], []
+    for line in lines:
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            mhz, watts, reasons = float(fields[0]), float(fields[1]), int(fields[2], 16)
+        except (IndexError, ValueError):
+            continue  # a torn line as the sampler stops
+        sm.append(mhz)
+        power.append(watts)
+        capped.append(bool(reasons & SW_POWER_CAP))
+    if not sm:
+        return None
+    return {"sm_mhz": statistics.median(sm), "power_w": round(statistics.median(power), 1),
+            "power_capped": round(sum(capped) / len(capped), 2)}
+
+
+class GpuClocks:
+    """Samples the SM clock, the power draw and the throttle reasons with `nvidia-smi` every
+    `interval_ms` while the `with` block runs; `summary()` is `summarize_gpu_samples` of them
+    (None off the GPU or without `nvidia-smi`).
+
+    Why rows carry it: an H100 under attention kernels runs at its power limit, so its SM clock
+    is the limit's doing and moves from second to second; two figures near parity are compared
+    at the clocks each ran at."""
+
+    def __init__(self, interval_ms: int = 20):
+        self.interval_ms, self.lines, self._proc = interval_ms, [], None
+
+    def __enter__(self) -> GpuClocks:
+        if on_gpu() and shutil.which("nvidia-smi") is not None:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "-i", _gpu_index(),
+                 "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", str(self.interval_ms)],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._reader = threading.Thread(target=self._read, daemon=True)
+            self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            self.lines.append(line)
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+            self._reader.join(timeout=5)
+
+    def summary(self) -> dict | None:
+        return summarize_gpu_samples(self.lines)
 
 
 def writable_triton_cache() -> str:
@@ -321,21 +408,27 @@ class Context:
             return time_ms(fn, *args, iters=1, trials=1, warmup=1, **kept)
         return time_ms(fn, *args, **({"budget_s": self.budget_s} | knobs))
 
-    def time_rounds(self, calls: dict[str, tuple], rounds: int = 5) -> dict[str, list[float]]:
+    def time_rounds(self, calls: dict[str, tuple], rounds: int = 5
+                    ) -> tuple[dict[str, list[float]], dict[str, list[dict | None]]]:
         """Each `name: (fn, *args)` of `calls` timed by `time` once a round, in turn, for
-        `rounds` rounds (one when `quick`): `{name: [ms of each round]}`.
+        `rounds` rounds (one when `quick`): `({name: [ms of each round]}, {name: [GpuClocks
+        summary of each round]})`.
 
         For goals that compare figures near parity: the same call on an H100 drifts by a few
-        percent from one second to the next, so two figures timed one after the other can differ
-        by that much for no reason of their own. Interleaved, each round times the figures
-        under about the same conditions: rows report the round whose ratio is the median
-        (`median_round`), so that a row's figures and its ratio come from one round, and keep
-        every round's ratio (`round_ratios`) to show the spread."""
+        percent from one second to the next (its SM clock follows the power limit, `GpuClocks`),
+        so two figures timed one after the other can differ by that much for no reason of their
+        own. Interleaved, each round times the figures under about the same conditions: rows
+        report the round whose ratio is the median (`median_round`), so that a row's figures
+        and its ratio come from one round, and keep every round's ratio (`round_ratios`) to
+        show the spread, and the clocks the round's figures ran at."""
         times = {name: [] for name in calls}
+        clocks = {name: [] for name in calls}
         for _ in range(1 if self.quick else rounds):
             for name, (fn, *args) in calls.items():
-                times[name].append(self.time(fn, *args))
-        return times
+                with GpuClocks() as sampled:
+                    times[name].append(self.time(fn, *args))
+                clocks[name].append(sampled.summary())
+        return times, clocks
 
     def time_ours(self, triton_fn: Callable, mosaic_fn: Callable, *args) -> dict:
         """Our kernel as `implementation="auto"` picks it: `mosaic_fn(*args)` where it runs (a
@@ -352,6 +445,13 @@ class Context:
             return got | dict(mosaic_note=first_line(e, 1000))
         return got | dict(ms=self.time(mosaic_fn, *args), out=out, impl="mosaic",
                           rel_err_triton_vs_mosaic=rel_err(triton_out, out))
+
+
+def clocks_of_round(clocks: dict[str, list[dict | None]], i: int, *names: str) -> dict | None:
+    """`{name: GpuClocks summary}` of round `i` of `Context.time_rounds` for those of `names`
+    that have one (a row's `gpu_clocks`); None where none has (the CPU)."""
+    got = {name: clocks[name][i] for name in names if name in clocks and clocks[name][i]}
+    return got or None
 
 
 def round_ratios(num: list[float], den: list[float]) -> list[float]:

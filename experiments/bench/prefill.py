@@ -369,8 +369,9 @@ def backward_rows(a: BackwardArgs, ctx: core.Context):
                 extra["anchor_note"] = "K/V repeated to N heads"
             break
         # The goal is parity with cuDNN: ours and cuDNN's interleaved (`Context.time_rounds`).
-        times = ctx.time_rounds(calls)
+        times, clocks = ctx.time_rounds(calls)
         i = core.median_round(times.get("anchor", times["ours"]), times["ours"])
+        extra["gpu_clocks"] = core.clocks_of_round(clocks, i, "ours", "anchor")
         ms, fwd_ms = times["ours"][i], times["ours_fwd"][i]
         anchor_ms = anchor_fwd_ms = None
         if "anchor" in times:

@@ -316,8 +316,9 @@ def sparse_bwd_rows(a: BlockSparseBwdArgs, ctx: core.Context):
         else:
             extra["cudnn_note"] = "skipped: no GPU"
         # The goal is a ratio to our dense time: the two interleaved (`Context.time_rounds`).
-        times = ctx.time_rounds(calls)
+        times, clocks = ctx.time_rounds(calls)
         i = core.median_round(times["ours"], times["dense"])
+        extra["gpu_clocks"] = core.clocks_of_round(clocks, i, "ours", "dense")
         ms, dense_ms, banded_ms = times["ours"][i], times["dense"][i], times["banded"][i]
         extra |= {"round_ratios_vs_density_x_dense": core.round_ratios(
                       times["ours"], [density * t for t in times["dense"]]),
