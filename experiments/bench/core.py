@@ -13,6 +13,7 @@ JSON schema; `meets_goal` is computed from the goal, never typed in.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -249,6 +250,13 @@ def _nvidia_smi_once(fields: str) -> list[float] | None:
         return None
 
 
+@functools.cache
+def _power_field() -> str:
+    """The instantaneous power draw where this driver reports it: `power.draw` is an average
+    over the last second, which lags a half-second timing by most of its length."""
+    return "power.draw.instant" if _nvidia_smi_once("power.draw.instant") else "power.draw"
+
+
 SW_POWER_CAP = 0x4  # nvidia-smi's throttle reason bit: clocks lowered to hold the power limit
 
 
@@ -288,7 +296,7 @@ class GpuClocks:
         if on_gpu() and shutil.which("nvidia-smi") is not None:
             self._proc = subprocess.Popen(
                 ["nvidia-smi", "-i", _gpu_index(),
-                 "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+                 f"--query-gpu=clocks.sm,{_power_field()},clocks_throttle_reasons.active",
                  "--format=csv,noheader,nounits", "-lms", str(self.interval_ms)],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             self._reader = threading.Thread(target=self._read, daemon=True)
