@@ -20,11 +20,11 @@ heads' only, and they share them in L2; launched with the KV heads interleaved, 
 1.42x as long (S32K), and other orders of each list are slower too (Speed).
 
 Speed (H100, B1 N32 / K8 H128 bf16, density 0.1, forward + backward with the Mosaic forward,
-benchmarks/sparse_prefill.json, the median of five rounds interleaved with the dense): S32K 7.30 ms,
-S64K 26.9 ms, 1.30x / 1.21x density x our dense forward + backward (rounds 1.23-1.42 / 1.16-1.23).
-The row's `kernel_ms` splits a call by kernel. This backward kernel takes 1.15x / 1.14x density x
-the dense one (the forward 1.05x); with the same number of blocks in every row as a band of
-neighbouring blocks, 1.01x / 0.92x. The excess is the scattered query tiles' memory traffic: timed
+benchmarks/sparse_prefill.json, the median of five rounds interleaved with the dense): S32K 7.33 ms,
+S64K 27.2 ms, 1.31x / 1.20x density x our dense forward + backward (rounds 1.25-1.37 / 1.16-1.21).
+The row's `kernel_ms` splits a call by kernel. This backward kernel takes 1.18x / 1.14x density x
+the dense one (the forward 1.09x / 1.02x); with the same number of blocks in every row as a band of
+neighbouring blocks, 1.01x / 0.95x. The excess is the scattered query tiles' memory traffic: timed
 with its dQ reduce-adds skipped, the kernel takes 0.79x / 0.82x as long (0.92x / 0.89x density x
 dense), and with every step reading Q / dO from the program's own tiles (in L2), 0.88x / 0.88x
 (1.02x / 0.97x). A KV head's programs walk query tiles of its sibling heads all over the sequence,
@@ -34,10 +34,10 @@ siblings interleaved, 1.06x / 1.02x as long ascending and 1.04x / 1.11x descendi
 tiles descending, 1.01x / 1.05x. Nor does hiding the misses work: a TMA prefetch of a later step's Q
 / dO into L2 (issued with the shared-memory copy, one to three steps ahead) makes the kernel
 1.04-1.08x / 1.05-1.11x as long, and of its dQ rows too, 1.11-1.19x / 1.15-1.29x. The misses are a
-random mask's. The other kernels take 0.79 / 1.56 ms, O(S) and the same with any density: the row
+random mask's. The other kernels take 0.79 / 1.55 ms, O(S) and the same with any density: the row
 statistics with the zeroed float32 dQ (one pass over O and dO, 0.41 ms at S32K) and dQ's cast (0.27
 ms); dense, that is 1-2% of the time, here 14% / 7% of density x dense. The same forward with the
-Triton backward takes 1.24x / 1.22x as long. A third query-tile slot (`stages=3`) is 10% slower;
+Triton backward takes 1.24x / 1.20x as long. A third query-tile slot (`stages=3`) is 10% slower;
 cutting at half the fair share, 2% slower.
 
 Supports what the Mosaic forward supports (`attn/block_sparse/mosaic.py`: `T == S`, full lengths,

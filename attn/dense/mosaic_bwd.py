@@ -67,10 +67,14 @@ reduction, so each program stores its partial dQ tiles into its own slice of a
 
 Speed (H100, N32 / K8 H128 bf16, forward + backward with the Mosaic forward,
 benchmarks/prefill.json, the median of five rounds interleaved with cuDNN): causal S8K / 16K / 32K
-1.02x / 1.02x / 0.995x cuDNN's (backward 460 / 528 / 530 TFLOP/s against cuDNN's 467 / 526 / 536);
-window 2048 + 64 sinks at S8K / S32K 1.04x / 1.03x cuDNN's window without sinks (ours without sinks
-1.10x / 1.10x); S128K 1.02x (no S x S buffer; backward 531 TFLOP/s against 527). Round to round the
-ratios move by up to 10% (causal S32K 0.98x-1.16x): at S32K the two are at parity. The Triton
+1.05x / 1.03x / 0.99x cuDNN's (backward 463 / 519 / 508 TFLOP/s against cuDNN's 441 / 517 / 521);
+window 2048 + 64 sinks at S8K / S32K 1.01x / 1.02x cuDNN's window without sinks (ours without sinks
+1.08x / 1.09x); S128K 1.02x (no S x S buffer; backward 536 TFLOP/s against 533). Round to round the
+ratios move by up to 10% (causal S32K 0.97x-1.16x): at S32K the two are at parity. From S16K on the
+GPU holds its 700 W power limit (the rows' `gpu_clocks`: SM clock 1.5-1.7 GHz of 1.98), so the
+time of a call follows the energy it draws as much as its cycles. Timed over 1.5 s of back-to-back
+calls at causal S32K, ours and cuDNN's drew 39-41 J a call each on one H100 (0.997x); on another,
+ours drew 42-45 J against cuDNN's 39-41 and took 1.08x its time. The Triton
 backward takes 1.1-1.2x as long at causal S8K-32K. Registers are the limit: at 255 per thread ptxas
 spills 96 bytes causal, 240 with a window and sinks (`MOSAIC_GPU_DUMP_PTXAS=1` shows it), most of it
 in the masked steps' mask code. Hence the accumulator starts: `lse` / `delta` as per-step row
