@@ -236,10 +236,15 @@ def _gpu_index() -> str:
     return visible or "0"
 
 
+def _has_nvidia_smi() -> bool:
+    """Whether JAX runs on a GPU that `nvidia-smi` can be asked about."""
+    return on_gpu() and shutil.which("nvidia-smi") is not None
+
+
 def _nvidia_smi_once(fields: str) -> list[float] | None:
     """One `nvidia-smi --query-gpu=fields` sample as numbers; None off the GPU, without
     `nvidia-smi`, or where a field is not a number."""
-    if not on_gpu() or shutil.which("nvidia-smi") is None:
+    if not _has_nvidia_smi():
         return None
     try:
         line = subprocess.run(["nvidia-smi", "-i", _gpu_index(), f"--query-gpu={fields}",
@@ -293,7 +298,7 @@ class GpuClocks:
         self.interval_ms, self.lines, self._proc = interval_ms, [], None
 
     def __enter__(self) -> GpuClocks:
-        if on_gpu() and shutil.which("nvidia-smi") is not None:
+        if _has_nvidia_smi():
             self._proc = subprocess.Popen(
                 ["nvidia-smi", "-i", _gpu_index(),
                  f"--query-gpu=clocks.sm,{_power_field()},clocks_throttle_reasons.active",
