@@ -31,14 +31,18 @@ dense), and with every step reading Q / dO from the program's own tiles (in L2),
 whose Q, dO and float32 dQ (4 KB a query for the four siblings, 128 MB at S32K) cannot all stay in
 the 50 MB L2. Other walk orders of the same lists make the kernel slower: by query tile, the
 siblings interleaved, 1.06x / 1.02x as long ascending and 1.04x / 1.11x descending; each sibling's
-tiles descending, 1.01x / 1.05x. Nor does hiding the misses work: a TMA prefetch of a later step's Q
-/ dO into L2 (issued with the shared-memory copy, one to three steps ahead) makes the kernel
-1.04-1.08x / 1.05-1.11x as long, and of its dQ rows too, 1.11-1.19x / 1.15-1.29x. The misses are a
-random mask's. The other kernels take 0.79 / 1.55 ms, O(S) and the same with any density: the row
-statistics with the zeroed float32 dQ (one pass over O and dO, 0.41 ms at S32K) and dQ's cast (0.27
-ms); dense, that is 1-2% of the time, here 14% / 7% of density x dense. The same forward with the
-Triton backward takes 1.24x / 1.20x as long. A third query-tile slot (`stages=3`) is 10% slower;
-cutting at half the fair share, 2% slower.
+tiles descending, 1.01x / 1.05x. Nor does confining the programs in flight to a few query tiles pay:
+with each list by query tile, cut where it crosses a multiple of 32 (64) query blocks, and the
+pieces launched KV head by KV head, band by band, the kernel takes 1.03x (1.13x) as long at S32K and
+0.95x (0.98x) at S64K, adding the cut key blocks' float32 partial sums takes 0.62 (0.34) / 2.3 (1.2)
+ms more, and the call takes 1.00-1.01x as long at both. Nor does hiding the misses work: a TMA
+prefetch of a later step's Q / dO into L2 (issued with the shared-memory copy, one to three steps
+ahead) makes the kernel 1.04-1.08x / 1.05-1.11x as long, and of its dQ rows too, 1.11-1.19x /
+1.15-1.29x. The misses are a random mask's. The other kernels take 0.79 / 1.55 ms, O(S) and the same
+with any density: the row statistics with the zeroed float32 dQ (one pass over O and dO, 0.41 ms at
+S32K) and dQ's cast (0.27 ms); dense, that is 1-2% of the time, here 14% / 7% of density x dense.
+The same forward with the Triton backward takes 1.24x / 1.20x as long. A third query-tile slot
+(`stages=3`) is 10% slower; cutting at half the fair share, 2% slower.
 
 Supports what the Mosaic forward supports (`attn/block_sparse/mosaic.py`: `T == S`, full lengths,
 blocks of 128, bf16 / f16) at `H == 128` (the dense fused kernel's head dim); `supports` says why
