@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import os
 from collections.abc import Callable
@@ -198,6 +199,16 @@ def xla_cpu_threads() -> tuple[int, str]:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name]), f"{name}={os.environ[name]}"
     return os.cpu_count() or 1, f"{os.cpu_count()} cores, NPROC unset"
+
+
+def load_whole(ref, **kwargs):
+    """`plgpu.load` of a whole ref (`kwargs`: its `layout`, `optimized`). jax 0.10 takes the index
+    as an argument (required; here empty), jax 0.11 deprecates that (the ref is indexed instead)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    index = ((),) if idx is not None and idx.default is inspect.Parameter.empty else ()
+    return plgpu.load(ref, *index, **kwargs)
 
 
 def _interpret_params():

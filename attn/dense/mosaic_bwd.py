@@ -288,7 +288,7 @@ def backward_call(q, k, v, out, lse, d_out, d_lse, schedule, *, walk_of: Callabl
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from attn.dense.mosaic import _interpret_params
+    from attn.dense.mosaic import _interpret_params, load_whole
 
     b, t, n, h = q.shape
     s = k.shape[1]
@@ -311,7 +311,7 @@ def backward_call(q, k, v, out, lse, d_out, d_lse, schedule, *, walk_of: Callabl
             return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
         def row_vector(ref):  # [block_q] laid out along the wgmma tile's columns
-            return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+            return load_whole(ref, layout=plgpu.Layout.WGMMA.reduce(0))
 
         def zero_grads():
             return plgpu.layout_cast(jnp.zeros((bkv, h), jnp.float32), plgpu.Layout.WGMMA)

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -193,12 +192,8 @@ def scores(q8, k8, q_scale, k_scale, *, stride: int, block_size: int, first: int
     k5 = k8.reshape(b, cols, st, kh, h)
 
     if interpret is None:
-        # The index argument: required on jax 0.10, deprecated (the ref indexed instead) on 0.11.
-        idx = inspect.signature(plgpu.load).parameters.get("idx")
-        index = ((),) if idx is not None and idx.default is inspect.Parameter.empty else ()
-
         def load(ref, layout):
-            return plgpu.load(ref, *index, layout=layout, optimized=False)
+            return dense_mosaic.load_whole(ref, layout=layout, optimized=False)
 
         def iota(shape, dim):
             return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
