@@ -98,7 +98,7 @@ def _check_within_3x_reference_error(args, cots, config, dtype, reference=ref.ca
     host = functools.partial(jax.device_put, device=jax.devices("cpu")[0])
     ours = jax.device_put(_grads(_ours(config), args, cots, "silu"), jax.devices("cpu")[0])
     for name, a in zip(("dx", "dweight", "dbias", "dstate"), ours, strict=True):
-        assert a is None or bool(jnp.isfinite(a).all()), name  # every channel, checked or not
+        assert bool(jnp.isfinite(a).all()), name  # every channel, compared or not
     args, cots, ours = _channels(host(args), host(cots), ours, channels)
     up = {k: v if v is None or k == "cu" else v.astype(jnp.float32) for k, v in args.items()}
     oracle = _grads(reference, up, tuple(c.astype(jnp.float32) for c in cots), "silu")
@@ -108,7 +108,6 @@ def _check_within_3x_reference_error(args, cots, config, dtype, reference=ref.ca
                              strict=True):
         assert a.dtype == r.dtype == dtype, name
         a, r = a.astype(jnp.float32), r.astype(jnp.float32)
-        assert bool(jnp.isfinite(a).all()), name
         err, ref_err = float(jnp.abs(a - o).max()), float(jnp.abs(r - o).max())
         assert err <= 3 * ref_err + eps * float(jnp.abs(o).max()), (name, err, ref_err)
 
