@@ -22,27 +22,18 @@ heads' only, and they share them in L2; launched with the KV heads interleaved, 
 Speed (H100, B1 N32 / K8 H128 bf16, density 0.1, forward + backward with the Mosaic forward,
 benchmarks/sparse_prefill.json, the median of five rounds interleaved with the dense): S32K 7.33 ms,
 S64K 27.2 ms, 1.31x / 1.20x density x our dense forward + backward (rounds 1.25-1.37 / 1.16-1.21).
-The row's `kernel_ms` splits a call by kernel. This backward kernel takes 1.18x / 1.14x density x
-the dense one (the forward 1.09x / 1.02x); with the same number of blocks in every row as a band of
-neighbouring blocks, 1.01x / 0.95x. The excess is the scattered query tiles' memory traffic: timed
-with its dQ reduce-adds skipped, the kernel takes 0.79x / 0.82x as long (0.92x / 0.89x density x
-dense), and with every step reading Q / dO from the program's own tiles (in L2), 0.88x / 0.88x
-(1.02x / 0.97x). A KV head's programs walk query tiles of its sibling heads all over the sequence,
-whose Q, dO and float32 dQ (4 KB a query for the four siblings, 128 MB at S32K) cannot all stay in
-the 50 MB L2. Other walk orders of the same lists make the kernel slower: by query tile, the
-siblings interleaved, 1.06x / 1.02x as long ascending and 1.04x / 1.11x descending; each sibling's
-tiles descending, 1.01x / 1.05x. Nor does confining the programs in flight to a few query tiles pay:
-with each list by query tile, cut where it crosses a multiple of 32 (64) query blocks, and the
-pieces launched KV head by KV head, band by band, the kernel takes 1.03x (1.13x) as long at S32K and
-0.95x (0.98x) at S64K, adding the cut key blocks' float32 partial sums takes 0.62 (0.34) / 2.3 (1.2)
-ms more, and the call takes 1.00-1.01x as long at both. Nor does hiding the misses work: a TMA
-prefetch of a later step's Q / dO into L2 (issued with the shared-memory copy, one to three steps
-ahead) makes the kernel 1.04-1.08x / 1.05-1.11x as long, and of its dQ rows too, 1.11-1.19x /
-1.15-1.29x. The misses are a random mask's. The other kernels take 0.79 / 1.55 ms, O(S) and the same
-with any density: the row statistics with the zeroed float32 dQ (one pass over O and dO, 0.41 ms at
-S32K) and dQ's cast (0.27 ms); dense, that is 1-2% of the time, here 14% / 7% of density x dense.
-The same forward with the Triton backward takes 1.24x / 1.20x as long. A third query-tile slot
-(`stages=3`) is 10% slower; cutting at half the fair share, 2% slower.
+The row's `kernel_ms` splits a call by kernel: this backward kernel takes 1.18x / 1.14x density x
+the dense one (the forward 1.09x / 1.02x), and with the same number of blocks in every row as a
+band of neighbouring blocks, 1.01x / 0.95x. The excess is a random mask's scattered query tiles: a
+KV head's programs walk the Q, dO and float32 dQ of its sibling heads all over the sequence (4 KB
+a query, 128 MB at S32K), more than the 50 MB L2; without its dQ reduce-adds the kernel takes
+0.79x / 0.82x as long. The other kernels, O(S) at any density, take 0.79 / 1.55 ms: the row
+statistics with the zeroed float32 dQ (0.41 ms at S32K) and dQ's cast (0.27 ms), 1-2% of the dense
+time, here 14% / 7% of density x dense. The launch and list order, two query-tile slots and the cut
+at the fair share are the fastest measured: other walk orders and a TMA prefetch of Q / dO into L2
+make the kernel 1.01-1.29x as long, `stages=3` the call 1.10x, and bands of query tiles (whose cut key blocks add
+float32 partial sums afterwards) gain nothing on the call. The same forward with the Triton
+backward takes 1.24x / 1.20x as long.
 
 Supports what the Mosaic forward supports (`attn/block_sparse/mosaic.py`: `T == S`, full lengths,
 blocks of 128, bf16 / f16) at `H == 128` (the dense fused kernel's head dim); `supports` says why

@@ -69,30 +69,28 @@ Speed (H100, N32 / K8 H128 bf16, forward + backward with the Mosaic forward,
 benchmarks/prefill.json, the median of five rounds interleaved with cuDNN): causal S8K / 16K / 32K
 1.05x / 1.03x / 0.99x cuDNN's (backward 463 / 519 / 508 TFLOP/s against cuDNN's 441 / 517 / 521);
 window 2048 + 64 sinks at S8K / S32K 1.01x / 1.02x cuDNN's window without sinks (ours without sinks
-1.08x / 1.09x); S128K 1.02x (no S x S buffer; backward 536 TFLOP/s against 533). Round to round the
-ratios move by up to 10% (causal S32K 0.97x-1.16x): at S32K the two are at parity. From S16K on the
-GPU holds its 700 W power limit (the rows' `gpu_clocks`: SM clock 1.5-1.7 GHz of 1.98), so the
-time of a call follows the energy it draws as much as its cycles. Timed over 1.5 s of back-to-back
-calls at causal S32K, ours and cuDNN's drew 39-41 J a call each on one H100 (0.997x); on another,
-ours drew 42-45 J against cuDNN's 39-41 and took 1.08x its time. The Triton
-backward takes 1.1-1.2x as long at causal S8K-32K. Registers are the limit: at 255 per thread ptxas
-spills 96 bytes causal, 240 with a window and sinks (`MOSAIC_GPU_DUMP_PTXAS=1` shows it), most of it
-in the masked steps' mask code. Hence the accumulator starts: `lse` / `delta` as per-step row
-vectors take 32 registers a thread and make the forward + backward 2-6% slower (spills 156 / 292
-bytes); the dQ accumulator scoped to the whole step is 0.4-3% slower, dK issued before dQ about 0.5%
-(1% with a window). Launch order matters from S16K on: Q / dO / dQ tiles are reused in L2 only while
-the programs walking them stay close, which key tile fastest keeps (S16K 1%, S32K 3-4% faster than
-KV head fastest, causal; at S128K KV head fastest varies 0.94-1.32 s from call to call), while at
-S8K KV head fastest is 3% faster; with sinks, KV head fastest always (`key_tiles_fastest`). Within a
-program each head's query tiles go up from the diagonal. Walking them down from the last tile
-instead (every causal program then starts on the same tiles) moves the backward kernel by -3% to 0%
-at causal S8K-64K and makes it 2% slower with a window (S32K); query tile by query tile, the group's
-heads together and the last tile first, 5% faster at S32K but 1% slower at S16K and no faster at
-S64K. A third shared-memory slot for the query tiles (`stages=3`) is slower. With a window and
-sinks, a key tile holding sinks is walked by every query tile (`G T / block_q` steps, against `G
-(window + 2 block_kv) / block_q` for the others). Cut into one program per query head, with dK / dV
-partial sums added afterwards, it ran 5% slower at S8K, and the causal cases, which never cut, 1-2%
-slower for the extra index arithmetic: the tile stays one program.
+1.08x / 1.09x); S128K 1.02x (no S x S buffer; backward 536 TFLOP/s against 533). The ratios move by
+up to 10% between rounds (causal S32K 0.97x-1.16x): at S32K the two are at parity. From S16K on the
+GPU holds its 700 W power limit (SM clock 1.5-1.7 GHz of 1.98, the rows' `gpu_clocks`), so a call's
+time follows the energy it draws as much as its cycles: over 1.5 s of back-to-back calls at causal
+S32K, ours and cuDNN's draw 39-41 J a call each on one H100, while on another ours draws 42-45 J
+and takes 1.08x cuDNN's time. The Triton backward takes 1.1-1.2x as long at causal S8K-32K.
+
+The defaults, each the faster of the measured alternatives (forward + backward):
+
+- Registers are the limit: at 255 per thread ptxas spills 96 bytes causal, 240 with a window and
+  sinks (`MOSAIC_GPU_DUMP_PTXAS=1`), most of it in the masked steps' mask code. Hence `lse` /
+  `delta` as the accumulators' starts (as per-step row vectors: 2-6% slower) and the dQ
+  accumulator scoped to its product (scoped to the step: 0.4-3% slower).
+- Launch order: Q / dO / dQ tiles are reused in L2 only while the programs walking them stay
+  close. Key tiles fastest is 1% / 3-4% faster at causal S16K / S32K (at S128K KV heads fastest
+  varies 0.94-1.32 s from call to call); KV heads fastest is 3% faster at S8K, and always taken
+  with sinks (`key_tiles_fastest`). Each head's query tiles go up from the diagonal.
+- Two shared-memory slots for the query tiles (`stages=3` is slower).
+- With a window and sinks, a key tile holding sinks is walked by every query tile (`G T /
+  block_q` steps, against `G (window + 2 block_kv) / block_q` for the others) and stays one
+  program: cut per query head, with dK / dV partial sums added afterwards, S8K is 5% slower and
+  the causal cases 1-2% slower for the extra index arithmetic.
 """
 
 from __future__ import annotations
